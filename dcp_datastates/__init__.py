@@ -1,0 +1,18 @@
+"""dcp_datastates: nearly free checkpoints for PyTorch Distributed Checkpoint (DCP).
+
+Lazy host snapshots into a reusable host cache, flushed to safetensors files through io_uring
+(or a thread pool where io_uring cannot be used), and restored on the same path backwards.
+"""
+
+from .errors import CheckpointCorruptError, CheckpointError
+from .reader import DataStatesReader
+from .sizes import parse_size
+from .writer import DataStatesWriter
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "DataStatesReader",
+    "DataStatesWriter",
+    "parse_size",
+]

@@ -1,0 +1,182 @@
+"""The data file: a valid safetensors file whose large tensors start on 4 KiB boundaries.
+
+Layout: an 8-byte little-endian header length, a JSON header padded with spaces so the data
+starts 4 KiB aligned, then the data. Large items come first, each starting 4 KiB aligned (a
+zero-filled ``U8`` padding entry fills any gap, since safetensors forbids holes); small items
+follow, packed by element size so each stays naturally aligned. Items safetensors has no dtype
+for (DCP bytes items, complex128, ...) are stored as ``U8`` byte arrays and listed in the
+header's ``__metadata__`` under ``raw_items``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CheckpointCorruptError
+from .io.base import ALIGN
+
+FORMAT_NAME = "dcp_datastates"
+FORMAT_VERSION = "1"
+PAD_PREFIX = "__dcp_datastates_pad_"
+#: Items at least this large start 4 KiB aligned and can be written straight from the cache.
+LARGE_ITEM_BYTES = 64 << 10
+#: Largest header the reader accepts (safetensors' own limit is 100 MB).
+MAX_HEADER_BYTES = 100 << 20
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+RAW_PICKLE = "pickle"
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """One item to place: its header name, torch dtype (None for bytes items), shape, size."""
+
+    name: str
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an item (or a padding entry, ``spec is None``) sits, relative to the data start."""
+
+    spec: ItemSpec | None
+    begin: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.begin + self.nbytes
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """The header bytes and every placement, in file order."""
+
+    header: bytes
+    placements: list[Placement]
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return self.data_start + (self.placements[-1].end if self.placements else 0)
+
+
+def plan_layout(items: list[ItemSpec]) -> FileLayout:
+    """Place ``items`` and build the header that describes them."""
+    names = [item.name for item in items]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"two items would share the file entry name(s) {dup}")
+    large = [i for i in items if i.nbytes >= LARGE_ITEM_BYTES]
+    small = sorted(
+        (i for i in items if i.nbytes < LARGE_ITEM_BYTES), key=lambda i: -_itemsize(i.dtype)
+    )
+    placements: list[Placement] = []
+    cursor = 0
+    for item in large:
+        placements.append(Placement(item, cursor, item.nbytes))
+        cursor += item.nbytes
+        gap = -cursor % ALIGN
+        if gap:
+            placements.append(Placement(None, cursor, gap))
+            cursor += gap
+    for item in small:
+        placements.append(Placement(item, cursor, item.nbytes))
+        cursor += item.nbytes
+    return FileLayout(_header_bytes(placements), placements)
+
+
+def _itemsize(dtype: torch.dtype | None) -> int:
+    return 1 if dtype is None else torch.empty((), dtype=dtype).element_size()
+
+
+def _header_bytes(placements: list[Placement]) -> bytes:
+    entries: dict[str, object] = {}
+    raw: dict[str, str] = {}
+    for k, p in enumerate(placements):
+        spec = p.spec
+        if spec is None:
+            entries[f"{PAD_PREFIX}{k}"] = _entry("U8", [p.nbytes], p)
+        elif spec.dtype in _SAFETENSORS_DTYPES:
+            entries[spec.name] = _entry(_SAFETENSORS_DTYPES[spec.dtype], list(spec.shape), p)
+        else:
+            raw[spec.name] = RAW_PICKLE if spec.dtype is None else str(spec.dtype)
+            entries[spec.name] = _entry("U8", [p.nbytes], p)
+    meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+    if raw:
+        meta["raw_items"] = json.dumps(raw, sort_keys=True)
+    body = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % ALIGN)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _entry(dtype: str, shape: list[int], p: Placement) -> dict[str, object]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [p.begin, p.end]}
+
+
+def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, object]]:
+    """Parse and check a data file's header; return (data start, the JSON header).
+
+    ``head`` holds at least the first 8 bytes of the file, and the whole header when it is
+    shorter than ``len(head) - 8``; call again with more bytes when ``CheckpointCorruptError``
+    says so. Raises ``CheckpointCorruptError`` naming ``path`` for anything malformed.
+    """
+    if len(head) < 8 or file_size < 8:
+        raise CheckpointCorruptError(f"{path}: file too short ({file_size} bytes) for a header")
+    (size,) = struct.unpack("<Q", head[:8])
+    if size > MAX_HEADER_BYTES or 8 + size > file_size:
+        raise CheckpointCorruptError(
+            f"{path}: header length {size} is impossible for a file of {file_size} bytes"
+        )
+    if len(head) < 8 + size:
+        raise CheckpointCorruptError(f"{path}: header needs {8 + size} bytes, got {len(head)}")
+    try:
+        header = json.loads(head[8 : 8 + size].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorruptError(f"{path}: header is not valid UTF-8 JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{path}: header is not a JSON object")
+    data_start = 8 + size
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= file_size - data_start
+        ):
+            raise CheckpointCorruptError(
+                f"{path}: entry {name!r} has data offsets {offsets!r} outside the "
+                f"{file_size - data_start} data bytes"
+            )
+    return data_start, header

@@ -1,0 +1,95 @@
+"""The checkpoint's ``.metadata``: written last and atomically, read without running pickled code."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .errors import CheckpointCorruptError
+
+METADATA_NAME = ".metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemLocation:
+    """Where one DCP item's bytes live: ``length`` bytes at ``offset`` of ``file``.
+
+    ``checksums`` holds the XXH3-64 of each ``block``-byte block of those bytes.
+    """
+
+    file: str
+    offset: int
+    length: int
+    checksums: tuple[int, ...]
+    block: int
+
+
+_SAFE_GLOBALS = [
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
+    _MEM_FORMAT_ENCODING,
+    ItemLocation,
+    torch.Size,
+]
+
+
+def write_metadata(directory: Path, metadata: Metadata) -> None:
+    """Write ``directory/.metadata`` atomically: temp name, fsync, rename, fsync the directory."""
+    if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
+        metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
+    buf = io.BytesIO()
+    torch.save(metadata, buf)
+    final = directory / METADATA_NAME
+    tmp = directory / f"{METADATA_NAME}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(buf.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fsync_dir(directory)
+
+
+def read_metadata(directory: Path) -> Metadata:
+    """Load ``directory/.metadata``, allowing only DCP's metadata classes (no arbitrary pickle)."""
+    path = directory / METADATA_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{directory} is not a checkpoint: {METADATA_NAME} is missing (an unfinished or "
+            f"failed save leaves none)"
+        )
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            metadata = torch.load(path, weights_only=True)
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{path}: cannot read checkpoint metadata ({exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a directory's entries (new, renamed or removed files) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

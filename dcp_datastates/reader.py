@@ -1,0 +1,256 @@
+"""``DataStatesReader``: a DCP StorageReader for checkpoints that DataStatesWriter saved."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+
+from .checksums import memory_at, verify_span
+from .errors import CheckpointCorruptError
+from .io import IOBackend, IOReq, get_backend
+from .metadata_file import ItemLocation, read_metadata
+
+
+class DataStatesReader(StorageReader):
+    """Loads DCP checkpoints written by :class:`DataStatesWriter`, resharding included.
+
+    Args:
+        path: checkpoint directory; may instead be given as ``checkpoint_id`` to ``dcp.load``.
+        io_backend: ``"auto"``, ``"uring"`` or ``"threads"`` (``DCP_DATASTATES_IO`` overrides).
+        verify_checksums: check every byte read against the checksums in ``.metadata``.
+        io_workers: items read at once.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        io_backend: str = "auto",
+        verify_checksums: bool = True,
+        io_workers: int = 8,
+    ) -> None:
+        super().__init__()
+        self.path = Path(path) if path is not None else None
+        self.io_backend = io_backend
+        self.verify_checksums = verify_checksums
+        self.io_workers = io_workers
+        self.load_id = str(uuid.uuid4())
+        self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+        metadata = read_metadata(self._checkpoint_dir())
+        _check_locations(self._checkpoint_dir(), metadata)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object
+    ) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        backend = get_backend(self.io_backend)
+        files = _OpenFiles(self._checkpoint_dir())
+        try:
+            with ThreadPoolExecutor(self.io_workers, "dcp_datastates-read") as pool:
+                jobs = []
+                for req in plan.items:
+                    loc = self._location(req)
+                    fd = files.open(loc, req)
+                    if req.type == LoadItemType.BYTE_IO:
+                        target = None
+                        job = pool.submit(self._read_bytes, backend, fd, loc, req)
+                    else:
+                        target = planner.resolve_tensor(req).detach()
+                        job = pool.submit(self._read_tensor, backend, fd, loc, req, target)
+                    jobs.append((req, target, job))
+                for req, target, job in jobs:
+                    data = job.result()
+                    if target is None:
+                        planner.load_bytes(req, io.BytesIO(data))
+                    else:
+                        planner.commit_tensor(req, target)
+        finally:
+            files.close()
+        future: torch.futures.Future[None] = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    @property
+    def checkpoint_id(self) -> Path | None:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return (Path(checkpoint_id) / ".metadata").is_file()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _checkpoint_dir(self) -> Path:
+        if self.path is None:
+            raise ValueError(
+                "no checkpoint directory: pass path= to DataStatesReader or checkpoint_id= to "
+                "dcp.load"
+            )
+        return self.path
+
+    def _location(self, req: ReadItem) -> ItemLocation:
+        assert self.metadata is not None, "read_data before set_up_storage_reader"
+        loc = self.metadata.storage_data.get(req.storage_index)
+        if not isinstance(loc, ItemLocation):
+            raise CheckpointCorruptError(
+                f"checkpoint {self.path}: .metadata has no location for item "
+                f"{req.storage_index.fqn!r}"
+            )
+        return loc
+
+    def _describe(self, loc: ItemLocation, req: ReadItem) -> str:
+        return f"checkpoint {self.path}, file {loc.file}, item {req.storage_index.fqn!r}"
+
+    def _read(self, backend: IOBackend, fd: int, loc: ItemLocation, a: int, dst: torch.Tensor,
+              req: ReadItem) -> None:
+        """Read item bytes ``[a, a + dst.numel())`` into the flat uint8 tensor ``dst``."""
+        if not dst.numel():
+            return
+        try:
+            backend.read(fd, loc.file, [IOReq(dst.data_ptr(), dst.numel(), loc.offset + a)])
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
+
+    def _verify(self, backend: IOBackend, fd: int, loc: ItemLocation, a: int, main: torch.Tensor,
+                req: ReadItem) -> None:
+        """Check the blocks covering item bytes ``[a, a + len(main))``, reading their edges."""
+        if not self.verify_checksums:
+            return
+        b = a + main.numel()
+        lo = a - a % loc.block
+        hi = min(loc.length, -(-b // loc.block) * loc.block) if b > a else lo
+        segments = []
+        for start, data in ((lo, _bytes(a - lo)), (a, main), (b, _bytes(max(hi - b, 0)))):
+            if data is not main:
+                self._read(backend, fd, loc, start, data, req)
+            if data.numel() or start == lo:
+                segments.append((start, memory_at(data.data_ptr(), data.numel())))
+        verify_span(segments, loc.checksums, loc.block, loc.length, self._describe(loc, req))
+
+    def _read_bytes(self, backend: IOBackend, fd: int, loc: ItemLocation, req: ReadItem) -> bytes:
+        buf = _bytes(loc.length)
+        self._read(backend, fd, loc, 0, buf, req)
+        self._verify(backend, fd, loc, 0, buf, req)
+        return bytes(memory_at(buf.data_ptr(), buf.numel())) if buf.numel() else b""
+
+    def _read_tensor(self, backend: IOBackend, fd: int, loc: ItemLocation, req: ReadItem,
+                     target: torch.Tensor) -> None:
+        md = self.metadata.state_dict_metadata.get(req.storage_index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointCorruptError(f"{self._describe(loc, req)}: not a tensor in .metadata")
+        shape = _chunk_shape(md, req, self._describe(loc, req))
+        dtype = md.properties.dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(shape) * itemsize != loc.length:
+            raise CheckpointCorruptError(
+                f"{self._describe(loc, req)}: {loc.length} bytes stored for a {dtype} chunk of "
+                f"shape {list(shape)}"
+            )
+        offsets, lengths = list(req.storage_offsets), list(req.lengths)
+        row = math.prod(shape[1:]) * itemsize
+        a, b = (offsets[0] * row, (offsets[0] + lengths[0]) * row) if shape else (0, loc.length)
+        whole_rows = offsets[1:] == [0] * (len(shape) - 1) and lengths[1:] == list(shape[1:])
+        direct = (
+            target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
+            and whole_rows and target.numel() * itemsize == b - a
+        )
+        buf = target.reshape(-1).view(torch.uint8) if direct else _bytes(b - a)
+        self._read(backend, fd, loc, a, buf, req)
+        self._verify(backend, fd, loc, a, buf, req)
+        if not direct:
+            rows = [lengths[0], *shape[1:]] if shape else []
+            view = buf.view(dtype).view(rows)
+            for dim in range(1, len(shape)):
+                view = view.narrow(dim, offsets[dim], lengths[dim])
+            target.copy_(view)
+
+
+class _OpenFiles:
+    """Data files opened once per read, with their sizes checked against each item."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._fds: dict[str, tuple[int, int]] = {}
+
+    def open(self, loc: ItemLocation, req: ReadItem) -> int:
+        if loc.file not in self._fds:
+            path = self.directory / loc.file
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}: data file {loc.file} is missing (item "
+                    f"{req.storage_index.fqn!r} lives there)"
+                ) from None
+            self._fds[loc.file] = (fd, os.fstat(fd).st_size)
+        fd, size = self._fds[loc.file]
+        if loc.offset + loc.length > size:
+            raise CheckpointCorruptError(
+                f"checkpoint {self.directory}: data file {loc.file} is truncated: item "
+                f"{req.storage_index.fqn!r} needs bytes {loc.offset}..{loc.offset + loc.length}, "
+                f"the file has {size}"
+            )
+        return fd
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def _chunk_shape(md: TensorStorageMetadata, req: ReadItem, what: str) -> tuple[int, ...]:
+    offset = req.storage_index.offset
+    for chunk in md.chunks:
+        if offset is None or tuple(chunk.offsets) == tuple(offset):
+            return tuple(chunk.sizes)
+    raise CheckpointCorruptError(f"{what}: no stored chunk at offsets {offset}")
+
+
+def _check_locations(directory: Path, metadata: Metadata) -> None:
+    """Reject locations that point outside the checkpoint directory or make no sense."""
+    if not isinstance(metadata.storage_data, dict):
+        raise CheckpointCorruptError(f"{directory}/.metadata: storage data is not a mapping")
+    for index, loc in metadata.storage_data.items():
+        if not isinstance(loc, ItemLocation):
+            raise CheckpointCorruptError(
+                f"{directory}/.metadata: item {index.fqn!r} has no DataStates location; was "
+                f"this checkpoint written by another storage writer?"
+            )
+        name_ok = isinstance(loc.file, str) and loc.file not in ("", ".", "..") and (
+            "/" not in loc.file and "\\" not in loc.file and "\0" not in loc.file
+        )
+        if not name_ok or loc.offset < 0 or loc.length < 0 or loc.block <= 0:
+            raise CheckpointCorruptError(
+                f"{directory}/.metadata: item {index.fqn!r} has an invalid location {loc!r}"
+            )

@@ -1,0 +1,192 @@
+"""Host snapshots of state dicts: every tensor copied into a region of the host cache.
+
+``Stager.stage`` walks the state dict on the caller's thread (copying its structure and any
+non-tensor values, which are cheap) and leaves the tensor copies to a background thread, so it
+returns at once with a Future of the staged state dict. Each staged tensor keeps its cache region
+until it is flushed or dropped. When the cache is full, staging waits for earlier snapshots'
+flushes to free space (backpressure); a tensor that cannot fit even then is copied to ordinary
+(pageable) memory instead, so a state larger than the cache is still saved, only slower.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .host_cache import Pool, Region
+from .sizes import format_size
+
+log = logging.getLogger("dcp_datastates")
+
+#: Copies each (host destination, source) pair; returns when every copy has completed.
+CopyFn = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
+
+
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The plain copier: ``dst.copy_(src)`` for each pair."""
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+@dataclass(frozen=True)
+class _DTensorSlot:
+    index: int
+    source: DTensor
+
+
+@dataclass
+class StageStats:
+    """What one snapshot took: bytes in the cache, bytes that overflowed it, seconds."""
+
+    cached_bytes: int = 0
+    overflow_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Snapshot:
+    """The cache regions one staged state dict holds."""
+
+    regions: list[Region] = field(default_factory=list)
+    stats: StageStats = field(default_factory=StageStats)
+
+    def held(self) -> int:
+        return sum(r.capacity for r in self.regions if not r.released)
+
+    def release(self) -> None:
+        for region in self.regions:
+            region.release()
+
+
+class Stager:
+    """Stages state dicts into a pool of the host cache on one background thread."""
+
+    def __init__(self, pool: Pool, copy_fn: CopyFn = copy_pairs) -> None:
+        self.pool = pool
+        self.copy_fn = copy_fn
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
+        self._lock = threading.Lock()
+        self._by_addr: dict[int, Region] = {}
+
+    def stage(self, state_dict: dict, before_copy: Callable[[], object] = lambda: None) -> Future:
+        """Return a Future of a copy of ``state_dict`` whose tensors live in host memory.
+
+        ``before_copy`` runs on the caller's thread after the walk (the GPU stager records its
+        CUDA event there); its result is handed to nothing, it only orders work.
+        """
+        sources: list[torch.Tensor] = []
+        skeleton = _walk(state_dict, sources, {})
+        before_copy()
+        return self._executor.submit(self._fill, skeleton, sources)
+
+    def region_of(self, tensor: torch.Tensor) -> Region | None:
+        """The live region that ``tensor`` starts and exactly fills, if it is a staged copy."""
+        region = self._by_addr.get(tensor.data_ptr())
+        nbytes = tensor.numel() * tensor.element_size()
+        if region is None or region.released or region.nbytes != nbytes:
+            return None
+        return region
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _fill(self, skeleton: object, sources: list[torch.Tensor]) -> dict:
+        start = time.perf_counter()
+        snapshot = Snapshot()
+        staged = [self._host_copy(src, snapshot) for src in sources]
+        self.copy_fn([(dst, src) for dst, src in zip(staged, sources) if src.numel()])
+        snapshot.stats.seconds = time.perf_counter() - start
+        if snapshot.stats.overflow_bytes:
+            log.warning(
+                "dcp_datastates: state of %s exceeds the free host cache (%s); %s staged in "
+                "pageable memory (slower). Raise host_cache_size to keep snapshots in the cache.",
+                format_size(snapshot.stats.cached_bytes + snapshot.stats.overflow_bytes),
+                format_size(self.pool.capacity),
+                format_size(snapshot.stats.overflow_bytes),
+            )
+        return _rebuild(skeleton, staged)
+
+    def _host_copy(self, src: torch.Tensor, snapshot: Snapshot) -> torch.Tensor:
+        nbytes = src.numel() * src.element_size()
+        region = self._allocate(nbytes, snapshot) if nbytes else None
+        if region is None:
+            snapshot.stats.overflow_bytes += nbytes
+            return torch.empty(src.shape, dtype=src.dtype)
+        region.zero_tail()
+        snapshot.regions.append(region)
+        snapshot.stats.cached_bytes += nbytes
+        dst = region.as_tensor().view(src.dtype).view(src.shape)
+        with self._lock:
+            self._by_addr[region.addr] = region
+        weakref.finalize(dst, self._forget, region)
+        return dst
+
+    def _allocate(self, nbytes: int, snapshot: Snapshot) -> Region | None:
+        region = self.pool.try_allocate(nbytes)
+        while region is None and self.pool.used > snapshot.held():
+            self.pool.wait_for_release(0.5)
+            region = self.pool.try_allocate(nbytes)
+        return region
+
+    def _forget(self, region: Region) -> None:
+        with self._lock:
+            if self._by_addr.get(region.addr) is region:
+                del self._by_addr[region.addr]
+        region.release()
+
+
+def _walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object]) -> object:
+    """Copy the structure of ``obj``; tensors become slots numbering ``sources``."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, DTensor):
+        out: object = _DTensorSlot(len(sources), obj)
+        sources.append(obj.to_local().detach())
+    elif isinstance(obj, torch.Tensor):
+        out = _Slot(len(sources))
+        sources.append(obj.detach())
+    elif isinstance(obj, dict):
+        out = {k: _walk(v, sources, memo) for k, v in obj.items()}
+    elif isinstance(obj, (list, tuple)):
+        out = _same_sequence(obj, [_walk(v, sources, memo) for v in obj])
+    else:
+        out = copy.deepcopy(obj)
+    memo[id(obj)] = out
+    return out
+
+
+def _rebuild(obj: object, staged: list[torch.Tensor]) -> object:
+    if isinstance(obj, _Slot):
+        return staged[obj.index]
+    if isinstance(obj, _DTensorSlot):
+        src = obj.source
+        return DTensor.from_local(
+            staged[obj.index], src.device_mesh, src.placements, run_check=False,
+            shape=src.shape, stride=src.stride(),
+        )
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, staged) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return _same_sequence(obj, [_rebuild(v, staged) for v in obj])
+    return obj
+
+
+def _same_sequence(like: list | tuple, items: list) -> list | tuple:
+    """``items`` as a list, tuple or named tuple, matching ``like``."""
+    if isinstance(like, list):
+        return items
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)

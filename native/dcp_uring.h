@@ -1,0 +1,62 @@
+/* dcp_uring: a minimal blocking shim over liburing for dcp_datastates (called through ctypes).
+ *
+ * Every function blocks until its work is done. A ring handle must not be used by two threads
+ * at once; the Python side keeps one ring per concurrent caller. All functions return 0 (or a
+ * count) on success and -errno on failure.
+ */
+#ifndef DCP_URING_H
+#define DCP_URING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DSU_API __attribute__((visibility("default")))
+
+/* Returned by dsu_rw when a read meets end of file before the request is complete.
+ * It is outside the errno range (errno values are < 4096), so it cannot be confused with one. */
+#define DSU_EOF (-65536)
+
+/* Largest buffer the kernel accepts per registered iovec, and the largest single I/O we issue. */
+#define DSU_MAX_PIECE ((size_t)1 << 30)
+
+/* One contiguous transfer: nbytes at memory address addr <-> file offset offset. */
+typedef struct {
+    uint64_t addr;
+    uint64_t nbytes;
+    uint64_t offset;
+} dsu_req;
+
+/* Create a ring with `depth` submission entries (the maximum number of I/Os in flight). */
+DSU_API int dsu_create(unsigned depth, void **ring_out);
+
+/* Tear the ring down (releases its buffer registrations). NULL is accepted. */
+DSU_API void dsu_destroy(void *ring);
+
+/* Add [addr, addr+len) to the ring's fixed buffers (split into <= 1 GiB iovecs). The whole set
+ * is re-registered, so only call it while the ring is idle. On failure the ring keeps no fixed
+ * buffers (the previous set is dropped) and dsu_rw falls back to plain READ/WRITE. */
+DSU_API int dsu_register(void *ring, void *addr, size_t len);
+
+/* Number of fixed-buffer iovecs currently registered (0 if registration failed). */
+DSU_API int dsu_registered(void *ring);
+
+/* Perform every request (write != 0: memory -> file, else file -> memory). Requests are split
+ * into pieces of at most max_io bytes (0: DSU_MAX_PIECE), at most `depth` pieces are in flight,
+ * pieces inside a registered buffer use READ_FIXED/WRITE_FIXED, short transfers are resubmitted.
+ * Zero-length requests are ignored. Returns 0, DSU_EOF, or -errno of the first failure; on
+ * failure no new pieces are issued and everything in flight is reaped before returning. */
+DSU_API int64_t dsu_rw(void *ring, int write, int fd, const dsu_req *reqs, size_t n,
+                       size_t max_io);
+
+/* fsync(fd) through IORING_OP_FSYNC. */
+DSU_API int dsu_fsync(void *ring, int fd);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
