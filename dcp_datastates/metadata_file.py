@@ -1,4 +1,4 @@
-"""The checkpoint's ``.metadata``: written last and atomically, read without running pickled code."""
+"""The checkpoint's `.metadata`: written last and atomically, read without running pickles."""
 
 from __future__ import annotations
 

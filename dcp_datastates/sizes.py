@@ -1,4 +1,4 @@
-"""Byte sizes written the way people write them: ``4096``, ``"512MiB"``, ``"16GiB"``, ``"1.5GB"``."""
+"""Byte sizes written the way people write them: ``4096``, ``"512MiB"``, ``"16GiB"``."""
 
 from __future__ import annotations
 

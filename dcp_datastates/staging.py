@@ -108,7 +108,7 @@ class Stager:
         start = time.perf_counter()
         snapshot = Snapshot()
         staged = [self._host_copy(src, snapshot) for src in sources]
-        self.copy_fn([(dst, src) for dst, src in zip(staged, sources) if src.numel()])
+        self.copy_fn([(dst, src) for dst, src in zip(staged, sources, strict=True) if src.numel()])
         snapshot.stats.seconds = time.perf_counter() - start
         if snapshot.stats.overflow_bytes:
             log.warning(

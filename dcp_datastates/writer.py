@@ -27,8 +27,8 @@ from .host_cache import MAX_BOUNCE_BYTES, HostCache
 from .io import get_backend
 from .metadata_file import METADATA_NAME, ItemLocation, fsync_dir, write_metadata
 from .sizes import parse_size
-from .stats import SaveStats
 from .staging import Stager
+from .stats import SaveStats
 from .turns import SaveTurns
 
 log = logging.getLogger("dcp_datastates")
@@ -96,6 +96,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._in_child = False
         self._engine: _Engine | None = None
         self._engine_lock = threading.Lock()
+        # Allocating (and on GPUs pinning) the cache is slow: do it now, off the training path.
+        threading.Thread(target=lambda: self.engine, name="dcp_datastates-init", daemon=True).start()
         self._turns = SaveTurns()
         self._stats: SaveStats | None = None
         self._staged: Future | None = None
@@ -220,7 +222,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             specs.append(spec)
             datas.append(data)
         layout = plan_layout(specs)
-        by_name = {spec.name: (item, data) for spec, item, data in zip(specs, plan.items, datas)}
+        by_name = {
+            spec.name: (item, data)
+            for spec, item, data in zip(specs, plan.items, datas, strict=True)
+        }
         header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
         pieces = [Piece(0, header)]
         hashes: list[tuple[WriteItem, int, int, Future]] = []

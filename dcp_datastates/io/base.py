@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 #: Alignment that O_DIRECT and the host cache share (bytes).
 ALIGN = 4096

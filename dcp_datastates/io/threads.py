@@ -36,7 +36,7 @@ def _do_piece(write: bool, fd: int, addr: int, nbytes: int, offset: int) -> None
                 else os.preadv(fd, [buf], offset + done)
             )
         except OSError as e:
-            # O_DIRECT: on some filesystems the unaligned rest after a short read gets EINVAL, not 0.
+            # O_DIRECT: some filesystems answer the unaligned rest after a short read with EINVAL.
             if not write and done and e.errno == errno.EINVAL:
                 raise _EOF from e
             raise
