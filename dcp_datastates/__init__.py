@@ -5,6 +5,7 @@ Lazy host snapshots into a reusable host cache, flushed to safetensors files thr
 """
 
 from .errors import CheckpointCorruptError, CheckpointError
+from .guard import guard
 from .reader import DataStatesReader
 from .sizes import parse_size
 from .writer import DataStatesWriter
@@ -14,5 +15,6 @@ __all__ = [
     "CheckpointError",
     "DataStatesReader",
     "DataStatesWriter",
+    "guard",
     "parse_size",
 ]

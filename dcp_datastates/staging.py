@@ -15,27 +15,17 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from .cuda_copy import SideStreams
 from .host_cache import Pool, Region
 from .sizes import format_size
 
 log = logging.getLogger("dcp_datastates")
-
-#: Copies each (host destination, source) pair; returns when every copy has completed.
-CopyFn = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
-
-
-def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """The plain copier: ``dst.copy_(src)`` for each pair."""
-    for dst, src in pairs:
-        dst.copy_(src)
-
 
 @dataclass(frozen=True)
 class _Slot:
@@ -73,25 +63,31 @@ class Snapshot:
 
 
 class Stager:
-    """Stages state dicts into a pool of the host cache on one background thread."""
+    """Stages state dicts into a pool of the host cache on one background thread.
 
-    def __init__(self, pool: Pool, copy_fn: CopyFn = copy_pairs) -> None:
+    GPU tensors are copied with ``cudaMemcpyAsync`` on a side stream (``streams``) that first
+    waits for an event recorded on the training stream when ``stage`` is called; without
+    ``streams`` (no cuda-python) torch copies them.
+    """
+
+    def __init__(self, pool: Pool, streams: SideStreams | None = None) -> None:
         self.pool = pool
-        self.copy_fn = copy_fn
+        self.streams = streams
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
         self._lock = threading.Lock()
         self._by_addr: dict[int, Region] = {}
 
-    def stage(self, state_dict: dict, before_copy: Callable[[], object] = lambda: None) -> Future:
+    def stage(self, state_dict: dict) -> Future:
         """Return a Future of a copy of ``state_dict`` whose tensors live in host memory.
 
-        ``before_copy`` runs on the caller's thread after the walk (the GPU stager records its
-        CUDA event there); its result is handed to nothing, it only orders work.
+        The Future completes when every copy is done; until then the sources stay referenced,
+        so the CUDA caching allocator cannot hand their memory to other work.
         """
         sources: list[torch.Tensor] = []
         skeleton = _walk(state_dict, sources, {})
-        before_copy()
-        return self._executor.submit(self._fill, skeleton, sources)
+        devices = {t.device.index for t in sources if t.is_cuda}
+        ready = self.streams.record_current(devices) if devices and self.streams else None
+        return self._executor.submit(self._fill, skeleton, sources, ready)
 
     def region_of(self, tensor: torch.Tensor) -> Region | None:
         """The live region that ``tensor`` starts and exactly fills, if it is a staged copy."""
@@ -104,11 +100,18 @@ class Stager:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def _fill(self, skeleton: object, sources: list[torch.Tensor]) -> dict:
+    def _fill(self, skeleton: object, sources: list[torch.Tensor], ready: dict | None) -> dict:
         start = time.perf_counter()
         snapshot = Snapshot()
         staged = [self._host_copy(src, snapshot) for src in sources]
-        self.copy_fn([(dst, src) for dst, src in zip(staged, sources, strict=True) if src.numel()])
+        gpu = []
+        for dst, src in zip(staged, sources, strict=True):
+            if src.is_cuda and self.streams is not None:
+                gpu.append((src.device.index, dst.data_ptr(), src.data_ptr(), dst.nbytes))
+            elif src.numel():
+                dst.copy_(src)
+        if ready is not None:
+            self.streams.copy(gpu, "d2h", after=ready)
         snapshot.stats.seconds = time.perf_counter() - start
         if snapshot.stats.overflow_bytes:
             log.warning(
@@ -155,10 +158,12 @@ def _walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object]) -> 
         return memo[id(obj)]
     if isinstance(obj, DTensor):
         out: object = _DTensorSlot(len(sources), obj)
-        sources.append(obj.to_local().detach())
+        local = obj.to_local().detach()
+        sources.append(local.contiguous() if local.is_cuda else local)
     elif isinstance(obj, torch.Tensor):
         out = _Slot(len(sources))
-        sources.append(obj.detach())
+        tensor = obj.detach()
+        sources.append(tensor.contiguous() if tensor.is_cuda else tensor)
     elif isinstance(obj, dict):
         out = {k: _walk(v, sources, memo) for k, v in obj.items()}
     elif isinstance(obj, (list, tuple)):

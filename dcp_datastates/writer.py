@@ -11,7 +11,7 @@ import secrets
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -20,7 +20,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
+from . import cuda_copy
 from .checksums import BLOCK_BYTES, block_checksums
+from .cuda_copy import SideStreams
 from .file_format import ItemSpec, plan_layout
 from .file_writer import FileWriter, Piece
 from .host_cache import MAX_BOUNCE_BYTES, HostCache
@@ -41,15 +43,20 @@ class _Engine:
 
     def __init__(self, cache_bytes: int, io_backend: str, io_workers: int) -> None:
         self.cache = HostCache(cache_bytes)
+        self.streams = SideStreams() if cuda_copy.available() else None
+        if self.streams is not None:
+            cuda_copy.pin(self.cache.addr, self.cache.nbytes)
         self.backend = get_backend(io_backend)
         self.backend.register(self.cache.addr, self.cache.nbytes)
-        self.stager = Stager(self.cache.snapshots)
+        self.stager = Stager(self.cache.snapshots, self.streams)
         self.executor = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-io")
         self.files = FileWriter(self.backend, self.cache.bounce, self.executor)
 
     def close(self) -> None:
         self.stager.close()
         self.executor.shutdown(wait=True)
+        if self.streams is not None:
+            cuda_copy.unpin(self.cache.addr)
 
 
 class DataStatesWriter(StorageWriter, AsyncStager):
@@ -97,7 +104,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._engine: _Engine | None = None
         self._engine_lock = threading.Lock()
         # Allocating (and on GPUs pinning) the cache is slow: do it now, off the training path.
-        threading.Thread(target=lambda: self.engine, name="dcp_datastates-init", daemon=True).start()
+        threading.Thread(target=lambda: self.engine, name="dcp_init", daemon=True).start()
         self._turns = SaveTurns()
         self._stats: SaveStats | None = None
         self._staged: Future | None = None
@@ -136,6 +143,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """Wait for the last ``stage`` to finish (DCP's older protocol)."""
         if self._staged is not None:
             self._staged.result()
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the latest snapshot's copies are done (at once if none is pending).
+
+        A failed snapshot does not raise here: its error reaches the save's future.
+        """
+        staged = self._staged
+        if staged is not None and not staged.done():
+            wait([staged])
 
     def close(self) -> None:
         """Stop background threads; the writer must not be used afterwards."""
