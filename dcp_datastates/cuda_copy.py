@@ -18,6 +18,7 @@ except ImportError:  # no cuda-python: the CPU paths are used
 
 log = logging.getLogger("dcp_datastates")
 _announced = False
+_batch_ok = True  # until the runtime refuses cudaMemcpyBatchAsync once
 
 
 def available() -> bool:
@@ -66,6 +67,29 @@ class SideStreams:
                 self._streams[device] = stream
             return self._streams[device]
 
+    def _copy_batch(self, copies: list[tuple[int, int, int]], stream: object) -> bool:
+        """Issue ``copies`` in one ``cudaMemcpyBatchAsync`` call; False where it is missing."""
+        global _batch_ok
+        if not _batch_ok:
+            return False
+        dsts, srcs, sizes = (list(col) for col in zip(*copies, strict=True))
+        attrs = cudart.cudaMemcpyAttributes()
+        attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        try:
+            err, *_ = cudart.cudaMemcpyBatchAsync(
+                dsts, srcs, sizes, len(copies), [attrs], [0], 1, stream)
+        except (AttributeError, TypeError) as exc:  # cuda-python or runtime without the batch API
+            err, reason = None, exc
+        else:
+            reason = err
+        if err == cudart.cudaError_t.cudaSuccess:
+            return True
+        _batch_ok = False
+        log.info("dcp_datastates: cudaMemcpyBatchAsync unavailable (%s); copying one by one",
+                 reason)
+        cudart.cudaGetLastError()  # clear a sticky-free error before the fallback
+        return False
+
     def record_current(self, devices: set[int]) -> dict[int, object]:
         """On the calling thread: an event on each device's current torch stream."""
         events = {}
@@ -95,9 +119,10 @@ class SideStreams:
             _check(cudart.cudaSetDevice(device), "cudaSetDevice")
             if after and device in after:
                 _check(cudart.cudaStreamWaitEvent(stream, after[device], 0), "cudaStreamWaitEvent")
-            for dst, src, nbytes in copies:
-                _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
-                       "cudaMemcpyAsync")
+            if len(copies) == 1 or not self._copy_batch(copies, stream):
+                for dst, src, nbytes in copies:
+                    _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
+                           "cudaMemcpyAsync")
             (event,) = _check(cudart.cudaEventCreateWithFlags(
                 cudart.cudaEventDisableTiming), "cudaEventCreateWithFlags")
             _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")

@@ -125,10 +125,11 @@ class HostCache:
     """``nbytes`` of page-aligned shared memory, allocated once and reused across checkpoints.
 
     The memory is shared (an fd-backed mapping), so staged tensors that point into it cross to
-    DCP's checkpoint process without a copy.
+    DCP's checkpoint process without a copy. ``bounce_only`` gives all of it to the bounce pool
+    (a reader stages nothing).
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, *, bounce_only: bool = False) -> None:
         if nbytes < 4 * ALIGN:
             raise ValueError(f"host_cache_size must be at least 16 KiB, got {nbytes} bytes")
         nbytes = round_up(nbytes)
@@ -137,7 +138,7 @@ class HostCache:
         self.storage = torch.UntypedStorage._new_shared(nbytes)
         self.tensor = torch.empty(0, dtype=torch.uint8).set_(self.storage)
         self.addr = self.storage.data_ptr()
-        bounce = min(MAX_BOUNCE_BYTES, round_up(nbytes // 4))
+        bounce = nbytes if bounce_only else min(MAX_BOUNCE_BYTES, round_up(nbytes // 4))
         self.snapshots = Pool(self, 0, nbytes - bounce, "snapshot")
         self.bounce = Pool(self, nbytes - bounce, bounce, "bounce")
 

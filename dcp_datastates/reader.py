@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,10 +15,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from . import cuda_copy
 from .checksums import memory_at, verify_span
+from .cuda_copy import SideStreams
 from .errors import CheckpointCorruptError
+from .host_cache import HostCache
 from .io import IOBackend, IOReq, get_backend
 from .metadata_file import ItemLocation, read_metadata
+from .sizes import parse_size
 
 
 class DataStatesReader(StorageReader):
@@ -28,6 +33,8 @@ class DataStatesReader(StorageReader):
         io_backend: ``"auto"``, ``"uring"`` or ``"threads"`` (``DCP_DATASTATES_IO`` overrides).
         verify_checksums: check every byte read against the checksums in ``.metadata``.
         io_workers: items read at once.
+        host_cache_size: pinned host memory (bytes or ``"1GiB"``) that GPU restores read into
+            before their host-to-device copies; allocated at the first GPU restore.
     """
 
     def __init__(
@@ -37,8 +44,12 @@ class DataStatesReader(StorageReader):
         io_backend: str = "auto",
         verify_checksums: bool = True,
         io_workers: int = 8,
+        host_cache_size: int | str = "1GiB",
     ) -> None:
         super().__init__()
+        self.host_cache_size = parse_size(host_cache_size, name="host_cache_size")
+        self._gpu: tuple[HostCache, SideStreams] | None = None
+        self._gpu_lock = threading.Lock()
         self.path = Path(path) if path is not None else None
         self.io_backend = io_backend
         self.verify_checksums = verify_checksums
@@ -181,6 +192,9 @@ class DataStatesReader(StorageReader):
             target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
             and whole_rows and target.numel() * itemsize == b - a
         )
+        if direct and target.is_cuda and self._gpu_path() is not None:
+            return self._read_to_gpu(backend, fd, loc, a, b, req, target)
+        direct = direct and not target.is_cuda
         buf = target.reshape(-1).view(torch.uint8) if direct else _bytes(b - a)
         self._read(backend, fd, loc, a, buf, req)
         self._verify(backend, fd, loc, a, buf, req)
@@ -190,6 +204,53 @@ class DataStatesReader(StorageReader):
             for dim in range(1, len(shape)):
                 view = view.narrow(dim, offsets[dim], lengths[dim])
             target.copy_(view)
+
+
+    def _gpu_path(self) -> tuple[HostCache, SideStreams] | None:
+        """The pinned cache and side streams for GPU restores, made at the first one."""
+        if not cuda_copy.available():
+            return None
+        with self._gpu_lock:
+            if self._gpu is None:
+                cache = HostCache(self.host_cache_size, bounce_only=True)
+                cuda_copy.pin(cache.addr, cache.nbytes)
+                self._gpu = (cache, SideStreams())
+            return self._gpu
+
+    def _read_to_gpu(self, backend: IOBackend, fd: int, loc: ItemLocation, a: int, b: int,
+                     req: ReadItem, target: torch.Tensor) -> None:
+        """Item bytes ``[a, b)`` -> pinned extents -> ``cudaMemcpyAsync`` into ``target``.
+
+        Extents are whole checksum blocks, so each is verified on its own before its copy.
+        """
+        cache, streams = self._gpu_path()
+        pool, block = cache.bounce, loc.block
+        lo, hi = a, b
+        if self.verify_checksums:
+            lo, hi = a - a % block, min(loc.length, -(-b // block) * block)
+        extent = max(block, pool.capacity // max(self.io_workers, 1) // block * block)
+        for s in range(lo, hi, extent):
+            e = min(s + extent, hi)
+            region = pool.allocate(e - s)
+            try:
+                buf = region.as_tensor(e - s)
+                self._read(backend, fd, loc, s, buf, req)
+                if self.verify_checksums:
+                    verify_span([(s, memory_at(buf.data_ptr(), e - s))], loc.checksums, block,
+                                loc.length, self._describe(loc, req))
+                c0, c1 = max(s, a), min(e, b)
+                if c0 < c1:
+                    streams.copy([(target.device.index, target.data_ptr() + c0 - a,
+                                   region.addr + c0 - s, c1 - c0)], "h2d")
+            finally:
+                region.release()
+
+    def close(self) -> None:
+        """Unpin and free the GPU restore cache (if one was made)."""
+        with self._gpu_lock:
+            if self._gpu is not None:
+                cuda_copy.unpin(self._gpu[0].addr)
+                self._gpu = None
 
 
 class _OpenFiles:
