@@ -34,7 +34,8 @@ class DataStatesReader(StorageReader):
         verify_checksums: check every byte read against the checksums in ``.metadata``.
         io_workers: items read at once.
         host_cache_size: pinned host memory (bytes or ``"1GiB"``) that GPU restores read into
-            before their host-to-device copies; allocated at the first GPU restore.
+            before their host-to-device copies; on GPU hosts it is pinned in the background as
+            the reader is made.
     """
 
     def __init__(
@@ -50,6 +51,8 @@ class DataStatesReader(StorageReader):
         self.host_cache_size = parse_size(host_cache_size, name="host_cache_size")
         self._gpu: tuple[HostCache, SideStreams] | None = None
         self._gpu_lock = threading.Lock()
+        if cuda_copy.available():
+            threading.Thread(target=self._gpu_path, name="dcp_read_init", daemon=True).start()
         self.path = Path(path) if path is not None else None
         self.io_backend = io_backend
         self.verify_checksums = verify_checksums

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from .cuda_copy import SideStreams
 from .host_cache import Pool, Region
 from .sizes import format_size
+from .stats import SaveStats
 
 log = logging.getLogger("dcp_datastates")
 
@@ -39,20 +40,11 @@ class _DTensorSlot:
 
 
 @dataclass
-class StageStats:
-    """What one snapshot took: bytes in the cache, bytes that overflowed it, seconds."""
-
-    cached_bytes: int = 0
-    overflow_bytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
 class Snapshot:
     """The cache regions one staged state dict holds."""
 
+    stats: SaveStats
     regions: list[Region] = field(default_factory=list)
-    stats: StageStats = field(default_factory=StageStats)
 
     def held(self) -> int:
         return sum(r.capacity for r in self.regions if not r.released)
@@ -77,17 +69,18 @@ class Stager:
         self._lock = threading.Lock()
         self._by_addr: dict[int, Region] = {}
 
-    def stage(self, state_dict: dict) -> Future:
+    def stage(self, state_dict: dict, stats: SaveStats) -> Future:
         """Return a Future of a copy of ``state_dict`` whose tensors live in host memory.
 
         The Future completes when every copy is done; until then the sources stay referenced,
-        so the CUDA caching allocator cannot hand their memory to other work.
+        so the CUDA caching allocator cannot hand their memory to other work. The snapshot's
+        figures go to ``stats``.
         """
         sources: list[torch.Tensor] = []
         skeleton = _walk(state_dict, sources, {})
         devices = {t.device.index for t in sources if t.is_cuda}
         ready = self.streams.record_current(devices) if devices and self.streams else None
-        return self._executor.submit(self._fill, skeleton, sources, ready)
+        return self._executor.submit(self._fill, skeleton, sources, ready, stats)
 
     def region_of(self, tensor: torch.Tensor) -> Region | None:
         """The live region that ``tensor`` starts and exactly fills, if it is a staged copy."""
@@ -100,9 +93,9 @@ class Stager:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def _fill(self, skeleton: object, sources: list[torch.Tensor], ready: dict | None) -> dict:
-        start = time.perf_counter()
-        snapshot = Snapshot()
+    def _fill(self, skeleton: object, sources: list[torch.Tensor], ready: dict | None,
+              stats: SaveStats) -> dict:
+        snapshot = Snapshot(stats)
         staged = [self._host_copy(src, snapshot) for src in sources]
         gpu = []
         for dst, src in zip(staged, sources, strict=True):
@@ -112,14 +105,14 @@ class Stager:
                 dst.copy_(src)
         if ready is not None:
             self.streams.copy(gpu, "d2h", after=ready)
-        snapshot.stats.seconds = time.perf_counter() - start
-        if snapshot.stats.overflow_bytes:
+        stats.snapshot_s = time.perf_counter() - stats.start
+        if stats.overflow_bytes:
             log.warning(
                 "dcp_datastates: state of %s exceeds the free host cache (%s); %s staged in "
                 "pageable memory (slower). Raise host_cache_size to keep snapshots in the cache.",
-                format_size(snapshot.stats.cached_bytes + snapshot.stats.overflow_bytes),
+                format_size(stats.staged_bytes + stats.overflow_bytes),
                 format_size(self.pool.capacity),
-                format_size(snapshot.stats.overflow_bytes),
+                format_size(stats.overflow_bytes),
             )
         return _rebuild(skeleton, staged)
 
@@ -131,7 +124,7 @@ class Stager:
             return torch.empty(src.shape, dtype=src.dtype)
         region.zero_tail()
         snapshot.regions.append(region)
-        snapshot.stats.cached_bytes += nbytes
+        snapshot.stats.staged_bytes += nbytes
         dst = region.as_tensor().view(src.dtype).view(src.shape)
         with self._lock:
             self._by_addr[region.addr] = region

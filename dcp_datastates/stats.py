@@ -13,10 +13,16 @@ log = logging.getLogger("dcp_datastates")
 
 @dataclass
 class SaveStats:
-    """One rank's figures for one save. Times are seconds; ``None`` where not measured."""
+    """One rank's figures for one save. Times are seconds from ``start`` (the ``async_save``
+    call, or the set-up of a plain ``dcp.save``); ``None`` where not measured (a plain save
+    takes no snapshot). ``overflow_bytes`` were staged outside the cache, which was full."""
 
     backend: str
     start: float = field(default_factory=time.perf_counter)
+    blocking_s: float | None = None
+    snapshot_s: float | None = None
+    staged_bytes: int = 0
+    overflow_bytes: int = 0
     bytes_written: int = 0
     flush_s: float = 0.0
     durable_s: float | None = None
@@ -33,9 +39,13 @@ class SaveStats:
 
     def log(self) -> None:
         log.info(
-            "dcp_datastates save: %s in %.3f s flush (%.2f GiB/s), durable after %s s, "
-            "backend=%s, O_DIRECT=%s",
-            format_size(self.bytes_written), self.flush_s, self.flush_gib_s,
-            "?" if self.durable_s is None else f"{self.durable_s:.3f}",
-            self.backend, self.direct_io,
+            "dcp_datastates save: %s written; blocked %s s, snapshot %s s (%s staged, %s over "
+            "the cache), flush %.3f s (%.2f GiB/s), durable after %s s; backend=%s O_DIRECT=%s",
+            format_size(self.bytes_written), _s(self.blocking_s), _s(self.snapshot_s),
+            format_size(self.staged_bytes), format_size(self.overflow_bytes), self.flush_s,
+            self.flush_gib_s, _s(self.durable_s), self.backend, self.direct_io,
         )
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"

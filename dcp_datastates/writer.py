@@ -104,9 +104,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._engine: _Engine | None = None
         self._engine_lock = threading.Lock()
         # Allocating (and on GPUs pinning) the cache is slow: do it now, off the training path.
-        threading.Thread(target=lambda: self.engine, name="dcp_init", daemon=True).start()
+        threading.Thread(target=self._build_quietly, name="dcp_init", daemon=True).start()
         self._turns = SaveTurns()
         self._stats: SaveStats | None = None
+        self._next_stats: SaveStats | None = None
         self._staged: Future | None = None
 
     # -- pickling: DCP's PROCESS checkpointer sends the writer to a child process ---------------
@@ -132,11 +133,27 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 self._engine = _Engine(size, self.io_backend, self.io_workers)
             return self._engine
 
+    def wait_ready(self) -> None:
+        """Block until the host cache is allocated and pinned (the writer starts this at once).
+
+        Raises the error that made it fail (e.g. no room in ``/dev/shm``).
+        """
+        _ = self.engine
+
+    def _build_quietly(self) -> None:
+        try:
+            self.wait_ready()
+        except Exception:  # noqa: BLE001 - raised again where the engine is first used
+            pass
+
     # -- AsyncStager ----------------------------------------------------------------------------
     def stage(self, state_dict: dict) -> Future:
         """Start snapshotting ``state_dict`` into the host cache; the Future gives the copy."""
         self._turns.release()
-        self._staged = self.engine.stager.stage(state_dict)
+        stats = SaveStats(backend=self.engine.backend.name)
+        self._staged = self.engine.stager.stage(state_dict, stats)
+        stats.blocking_s = time.perf_counter() - stats.start
+        self._next_stats = stats
         return self._staged
 
     def synchronize_staging(self) -> None:
@@ -168,7 +185,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def set_up_storage_writer(self, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         self._turns.acquire()
         self.is_coordinator = is_coordinator
-        self._stats = SaveStats(backend=self.engine.backend.name)
+        self._stats = self._next_stats or SaveStats(backend=self.engine.backend.name)
+        self._next_stats = None
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
