@@ -8,6 +8,7 @@ off), every piece is written straight from where it lies.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -42,8 +43,13 @@ class Piece:
 
 
 def open_for_write(path: Path, direct: bool | None) -> tuple[int, bool]:
-    """Create ``path`` (it must not exist); O_DIRECT when asked or, for None, when supported."""
+    """Create ``path`` (it must not exist); O_DIRECT when asked or, for None, when it helps.
+
+    It does not help on memory file systems (tmpfs, ramfs): there the page cache is the file.
+    """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    if direct is None and _memory_backed(path.parent):
+        direct = False
     if direct is not False:
         try:
             return os.open(path, flags | os.O_DIRECT, 0o644), True
@@ -188,3 +194,15 @@ def _preallocate(fd: int, nbytes: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
+
+
+_MEMORY_FS = {0x01021994, 0x858458F6}  # TMPFS_MAGIC, RAMFS_MAGIC
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _memory_backed(directory: Path) -> bool:
+    """Whether ``directory`` lives on a memory file system (statfs ``f_type``)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field (a long)
+    if _libc.statfs(os.fsencode(directory), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FS
