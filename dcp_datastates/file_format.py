@@ -22,6 +22,8 @@ from .io.base import ALIGN
 FORMAT_NAME = "dcp_datastates"
 FORMAT_VERSION = "1"
 PAD_PREFIX = "__dcp_datastates_pad_"
+#: Prepended to item names that would clash with ``__metadata__`` or the padding entries.
+ESCAPE_PREFIX = "__dcp_datastates_item__"
 #: Items at least this large start 4 KiB aligned and can be written straight from the cache.
 LARGE_ITEM_BYTES = 64 << 10
 #: Largest header the reader accepts (safetensors' own limit is 100 MB).
@@ -126,16 +128,24 @@ def _header_bytes(placements: list[Placement]) -> bytes:
         if spec is None:
             entries[f"{PAD_PREFIX}{k}"] = _entry("U8", [p.nbytes], p)
         elif spec.dtype in _SAFETENSORS_DTYPES:
-            entries[spec.name] = _entry(_SAFETENSORS_DTYPES[spec.dtype], list(spec.shape), p)
+            key = entry_key(spec.name)
+            entries[key] = _entry(_SAFETENSORS_DTYPES[spec.dtype], list(spec.shape), p)
         else:
-            raw[spec.name] = RAW_PICKLE if spec.dtype is None else str(spec.dtype)
-            entries[spec.name] = _entry("U8", [p.nbytes], p)
+            key = entry_key(spec.name)
+            raw[key] = RAW_PICKLE if spec.dtype is None else str(spec.dtype)
+            entries[key] = _entry("U8", [p.nbytes], p)
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
     if raw:
         meta["raw_items"] = json.dumps(raw, sort_keys=True)
     body = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % ALIGN)
     return struct.pack("<Q", len(body)) + body
+
+
+def entry_key(name: str) -> str:
+    """The header key of an item: its name, escaped if it could clash with a reserved key."""
+    reserved = name == "__metadata__" or name.startswith((PAD_PREFIX, ESCAPE_PREFIX))
+    return ESCAPE_PREFIX + name if reserved else name
 
 
 def _entry(dtype: str, shape: list[int], p: Placement) -> dict[str, object]:

@@ -82,8 +82,7 @@ class FileWriter:
             jobs = self._direct_jobs(pieces) if is_direct else self._buffered_jobs(pieces)
             futures = [self.executor.submit(job, fd, str(path), cancel) for job in jobs]
             _wait_all(futures, cancel)
-            if is_direct:
-                os.ftruncate(fd, file_size)
+            os.ftruncate(fd, file_size)  # O_DIRECT wrote whole blocks; a trailing pad wrote nothing
             self.backend.fsync(fd, str(path))
         except BaseException:
             os.close(fd)

@@ -130,8 +130,7 @@ class HostCache:
     """
 
     def __init__(self, nbytes: int, *, bounce_only: bool = False) -> None:
-        if nbytes < 4 * ALIGN:
-            raise ValueError(f"host_cache_size must be at least 16 KiB, got {nbytes} bytes")
+        check_cache_size(nbytes)
         nbytes = round_up(nbytes)
         _check_shm_room(nbytes)
         self.nbytes = nbytes
@@ -145,6 +144,12 @@ class HostCache:
     def contains(self, addr: int, nbytes: int) -> bool:
         """Whether ``[addr, addr + nbytes)`` lies inside the cache."""
         return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
+
+
+def check_cache_size(nbytes: int) -> None:
+    """Raise ValueError unless ``nbytes`` is a usable host cache size."""
+    if nbytes < 4 * ALIGN:
+        raise ValueError(f"host_cache_size must be at least 16 KiB, got {nbytes} bytes")
 
 
 def _check_shm_room(nbytes: int) -> None:

@@ -80,7 +80,14 @@ def read_metadata(directory: Path) -> Metadata:
         with torch.serialization.safe_globals(_SAFE_GLOBALS):
             metadata = torch.load(path, weights_only=True)
     except Exception as exc:
-        raise CheckpointCorruptError(f"{path}: cannot read checkpoint metadata ({exc})") from exc
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0] if lines else "")
+        raise CheckpointCorruptError(
+            f"{path}: cannot read checkpoint metadata ({why or type(exc).__name__}). It is read "
+            f"without running pickled code, allowing only DCP's metadata classes: was this "
+            f"checkpoint written by another storage writer (e.g. FileSystemWriter), or is the "
+            f"file damaged?"
+        ) from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
     return metadata

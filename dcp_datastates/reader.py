@@ -160,12 +160,12 @@ class DataStatesReader(StorageReader):
         b = a + main.numel()
         lo = a - a % loc.block
         hi = min(loc.length, -(-b // loc.block) * loc.block) if b > a else lo
-        segments = []
-        for start, data in ((lo, _bytes(a - lo)), (a, main), (b, _bytes(max(hi - b, 0)))):
-            if data is not main:
-                self._read(backend, fd, loc, start, data, req)
-            if data.numel() or start == lo:
-                segments.append((start, memory_at(data.data_ptr(), data.numel())))
+        head, tail = _bytes(a - lo), _bytes(max(hi - b, 0))  # alive until verified
+        self._read(backend, fd, loc, lo, head, req)
+        self._read(backend, fd, loc, b, tail, req)
+        segments = [(start, memory_at(data.data_ptr(), data.numel()))
+                    for start, data in ((lo, head), (a, main), (b, tail))
+                    if data.numel() or start == lo]
         verify_span(segments, loc.checksums, loc.block, loc.length, self._describe(loc, req))
 
     def _read_bytes(self, backend: IOBackend, fd: int, loc: ItemLocation, req: ReadItem) -> bytes:

@@ -146,7 +146,11 @@ class Stager:
 
 
 def _walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object]) -> object:
-    """Copy the structure of ``obj``; tensors become slots numbering ``sources``."""
+    """Copy the structure of ``obj``; tensors become slots numbering ``sources``.
+
+    Only dicts and lists are entered, as DCP does: anything else (tuples included) DCP pickles
+    whole as a bytes item, so it is deep-copied whole here, never pointed into the cache.
+    """
     if id(obj) in memo:
         return memo[id(obj)]
     if isinstance(obj, DTensor):
@@ -159,8 +163,8 @@ def _walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object]) -> 
         sources.append(tensor.contiguous() if tensor.is_cuda else tensor)
     elif isinstance(obj, dict):
         out = {k: _walk(v, sources, memo) for k, v in obj.items()}
-    elif isinstance(obj, (list, tuple)):
-        out = _same_sequence(obj, [_walk(v, sources, memo) for v in obj])
+    elif isinstance(obj, list):
+        out = [_walk(v, sources, memo) for v in obj]
     else:
         out = copy.deepcopy(obj)
     memo[id(obj)] = out
@@ -178,13 +182,6 @@ def _rebuild(obj: object, staged: list[torch.Tensor]) -> object:
         )
     if isinstance(obj, dict):
         return {k: _rebuild(v, staged) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return _same_sequence(obj, [_rebuild(v, staged) for v in obj])
+    if isinstance(obj, list):
+        return [_rebuild(v, staged) for v in obj]
     return obj
-
-
-def _same_sequence(like: list | tuple, items: list) -> list | tuple:
-    """``items`` as a list, tuple or named tuple, matching ``like``."""
-    if isinstance(like, list):
-        return items
-    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)

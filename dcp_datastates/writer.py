@@ -25,8 +25,8 @@ from .checksums import BLOCK_BYTES, block_checksums
 from .cuda_copy import SideStreams
 from .file_format import ItemSpec, plan_layout
 from .file_writer import FileWriter, Piece
-from .host_cache import MAX_BOUNCE_BYTES, HostCache
-from .io import get_backend
+from .host_cache import MAX_BOUNCE_BYTES, HostCache, check_cache_size
+from .io import check_backend_name, get_backend
 from .metadata_file import METADATA_NAME, ItemLocation, fsync_dir, write_metadata
 from .sizes import parse_size
 from .staging import Stager
@@ -94,7 +94,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         super().__init__()
         self.path = Path(path) if path is not None else None
         self.host_cache_size = parse_size(host_cache_size, name="host_cache_size")
-        self.io_backend = io_backend
+        check_cache_size(self.host_cache_size)
+        self.io_backend = check_backend_name(io_backend)
         self.overwrite = overwrite
         self.direct_io = direct_io
         self.io_workers = io_workers
@@ -104,7 +105,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._engine: _Engine | None = None
         self._engine_lock = threading.Lock()
         # Allocating (and on GPUs pinning) the cache is slow: do it now, off the training path.
-        threading.Thread(target=self._build_quietly, name="dcp_init", daemon=True).start()
+        self._init = threading.Thread(target=self._build_quietly, name="dcp_init", daemon=True)
+        self._init.start()
         self._turns = SaveTurns()
         self._stats: SaveStats | None = None
         self._next_stats: SaveStats | None = None
@@ -113,7 +115,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # -- pickling: DCP's PROCESS checkpointer sends the writer to a child process ---------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_engine", "_engine_lock", "_turns", "_staged"):
+        for key in ("_engine", "_engine_lock", "_turns", "_staged", "_init"):
             state[key] = None
         return state
 
@@ -172,12 +174,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def close(self) -> None:
         """Stop background threads; the writer must not be used afterwards."""
+        if self._init is not None:
+            self._init.join()
         if self._engine is not None:
             self._engine.close()
             self._engine = None
 
     # -- StorageWriter --------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._turns.acquire()  # DCP calls reset first: the save before must be done with path
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
@@ -274,10 +279,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         path = self._checkpoint_dir() / file_name
         nbytes = sum(p.data.numel() for p in pieces)
         start = time.perf_counter()
-        direct = engine.files.write(path, pieces, layout.file_size, self.direct_io)
-        for piece in pieces:
-            if piece.region is not None:
-                piece.region.release()
+        try:
+            direct = engine.files.write(path, pieces, layout.file_size, self.direct_io)
+        finally:
+            wait([future for *_, future in hashes])  # they read the regions released below
+            for piece in pieces:
+                if piece.region is not None:
+                    piece.region.release()
         if self._stats is not None:
             self._stats.add_flush(nbytes, time.perf_counter() - start, direct)
         return [

@@ -21,6 +21,7 @@ __all__ = [
     "ThreadPoolBackend",
     "UringBackend",
     "UringUnavailable",
+    "check_backend_name",
     "get_backend",
 ]
 
@@ -34,6 +35,13 @@ _lock = threading.Lock()
 _announced = False
 
 
+def check_backend_name(name: str) -> str:
+    """``name`` if it names a backend (``$DCP_DATASTATES_IO`` is not consulted), else ValueError."""
+    if name.strip().lower() not in BACKENDS:
+        raise ValueError(f"unknown I/O backend {name!r}; valid names: {', '.join(BACKENDS)}")
+    return name
+
+
 def get_backend(name: str = "auto") -> IOBackend:
     """The shared backend called ``name`` (``$DCP_DATASTATES_IO`` wins when set).
 
@@ -42,8 +50,7 @@ def get_backend(name: str = "auto") -> IOBackend:
     """
     global _announced
     name = (os.environ.get(ENV_VAR) or name).strip().lower()
-    if name not in BACKENDS:
-        raise ValueError(f"unknown I/O backend {name!r}; valid names: {', '.join(BACKENDS)}")
+    check_backend_name(name)
     with _lock:
         if name in _cache:
             return _cache[name]

@@ -1,0 +1,4 @@
+"""Adapters for training frameworks; each module imports its framework only when used.
+
+* :mod:`dcp_datastates.integrations.torchtitan`: torchtitan's ``CheckpointManager``.
+"""
