@@ -81,7 +81,8 @@ def read_metadata(directory: Path) -> Metadata:
             metadata = torch.load(path, weights_only=True)
     except Exception as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        why = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0] if lines else "")
+        first = lines[0] if lines else ""
+        why = next((ln for ln in lines if "WeightsUnpickler error" in ln), first)
         raise CheckpointCorruptError(
             f"{path}: cannot read checkpoint metadata ({why or type(exc).__name__}). It is read "
             f"without running pickled code, allowing only DCP's metadata classes: was this "
