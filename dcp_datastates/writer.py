@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -11,6 +12,8 @@ import secrets
 import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -57,6 +60,20 @@ class _Engine:
         self.executor.shutdown(wait=True)
         if self.streams is not None:
             cuda_copy.unpin(self.cache.addr)
+
+
+def _ends_turn_on_error(method: Callable) -> Callable:
+    """A save whose storage call fails is over: give up its turn before raising."""
+
+    @functools.wraps(method)
+    def wrapper(self: DataStatesWriter, *args: object, **kwargs: object) -> object:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self._turns.release()
+            raise
+
+    return wrapper
 
 
 class DataStatesWriter(StorageWriter, AsyncStager):
@@ -109,7 +126,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._init.start()
         self._turns = SaveTurns()
         self._stats: SaveStats | None = None
-        self._next_stats: SaveStats | None = None
+        self._next_stats: deque[SaveStats] = deque()  # one per staged, not yet started save
         self._staged: Future | None = None
 
     # -- pickling: DCP's PROCESS checkpointer sends the writer to a child process ---------------
@@ -155,7 +172,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         stats = SaveStats(backend=self.engine.backend.name)
         self._staged = self.engine.stager.stage(state_dict, stats)
         stats.blocking_s = time.perf_counter() - stats.start
-        self._next_stats = stats
+        self._next_stats.append(stats)
         return self._staged
 
     def synchronize_staging(self) -> None:
@@ -187,19 +204,22 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self.path = Path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
+    @_ends_turn_on_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         self._turns.acquire()
         self.is_coordinator = is_coordinator
-        self._stats = self._next_stats or SaveStats(backend=self.engine.backend.name)
-        self._next_stats = None
+        self._stats = (self._next_stats.popleft() if self._next_stats
+                       else SaveStats(backend=self.engine.backend.name))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
+    @_ends_turn_on_error
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._checkpoint_dir().mkdir(parents=True, exist_ok=True)
         return plan
 
+    @_ends_turn_on_error
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         directory = self._checkpoint_dir()
         if (directory / METADATA_NAME).exists() and not self.overwrite:
@@ -209,14 +229,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             )
         return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
 
+    @_ends_turn_on_error
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> torch.futures.Future[list[WriteResult]]:
-        try:
-            results = self._write_file(plan, planner)
-        finally:
-            if not self.is_coordinator:
-                self._turns.release()
+        results = self._write_file(plan, planner)
+        if not self.is_coordinator:  # this rank's part of the save is over
+            self._log_durable()
+            self._turns.release()
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         future.set_result(results)
         return future
@@ -229,11 +249,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             fsync_dir(directory)
             write_metadata(directory, metadata)
             _remove_unreferenced(directory, metadata.storage_data.values())
-            if self._stats is not None:
-                self._stats.durable_s = time.perf_counter() - self._stats.start
-                self._stats.log()
+            self._log_durable()
         finally:
             self._turns.release()
+
+    def _log_durable(self) -> None:
+        if self._stats is not None:
+            self._stats.durable_s = time.perf_counter() - self._stats.start
+            self._stats.log()
 
     def last_stats(self) -> SaveStats | None:
         """Figures of the latest save on this rank (bytes, times, backend)."""

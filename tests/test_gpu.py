@@ -92,7 +92,7 @@ def test_guard_blocks_step_until_snapshot_is_safe(tmp_path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     writer = DataStatesWriter(host_cache_size="3GiB")
     handle = guard(opt, writer)
-    writer.engine  # the cache is pinned in the background: wait for it before timing anything
+    writer.wait_ready()  # the cache is pinned in the background: wait before timing anything
     loss = model(torch.randn(4, 8192, device="cuda")).square().mean()
     loss.backward()
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -115,7 +115,9 @@ def test_back_to_back_async_saves_queue_safely(tmp_path) -> None:
     states, responses = [], []
     for i in range(4):
         state = gpu_state(10 + i)
-        states.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+        states.append(
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        )
         responses.append(dcp.async_save(state, checkpoint_id=tmp_path / f"ck{i}",
                                         storage_writer=writer, no_dist=True))
     for resp in responses:

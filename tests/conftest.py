@@ -1,0 +1,206 @@
+"""Shared helpers for the dcp_datastates suite: writers, state builders, bit-exact comparisons."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates.io import UringUnavailable, get_backend
+
+BACKENDS = ["threads", "uring"]
+
+#: Every dtype that has a safetensors name (stored as that dtype in the data file).
+SAFETENSORS_DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+]
+#: Dtypes safetensors cannot hold: stored as raw U8 arrays.
+RAW_DTYPES = [torch.complex128, torch.complex32] + [
+    getattr(torch, name) for name in ("float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, name)
+]
+ALL_DTYPES = SAFETENSORS_DTYPES + RAW_DTYPES
+
+
+@pytest.fixture
+def no_backend_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DCP_DATASTATES_IO`` would silently replace the backend a test asks for."""
+    monkeypatch.delenv("DCP_DATASTATES_IO", raising=False)
+
+
+#: ``pytestmark`` of the core suite's modules.
+MARKS = [
+    pytest.mark.usefixtures("no_backend_override"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental"),
+    # torch.load(weights_only=True) of a damaged or foreign .metadata
+    pytest.mark.filterwarnings("ignore:Detected pickle protocol"),
+]
+
+
+def require_backend(name: str) -> str:
+    if name == "uring":
+        try:
+            get_backend("uring")
+        except UringUnavailable as e:
+            pytest.skip(f"io_uring unavailable here: {e.reason}")
+    return name
+
+
+@pytest.fixture(params=BACKENDS)
+def io_backend(request: pytest.FixtureRequest) -> str:
+    return require_backend(request.param)
+
+
+@pytest.fixture
+def make_writer() -> Iterator[Callable[..., DataStatesWriter]]:
+    """Build writers (small host cache by default) and close them all at teardown."""
+    writers: list[DataStatesWriter] = []
+
+    def make(path: Path | str | None = None, **kw: object) -> DataStatesWriter:
+        kw.setdefault("host_cache_size", "4MiB")
+        kw.setdefault("io_backend", "threads")
+        kw.setdefault("io_workers", 4)
+        w = DataStatesWriter(path, **kw)
+        writers.append(w)
+        return w
+
+    yield make
+    join_init_threads()
+    for w in writers:
+        w.close()
+
+
+def join_init_threads(timeout: float = 30) -> None:
+    """Wait for the writers' background ``dcp_init`` threads.
+
+    One that dies with an exception prints its traceback; on Python 3.11 that (it parses source
+    for the carets) must not overlap pytest formatting a report (CPython's ast is not
+    thread-safe there: "AST constructor recursion depth mismatch").
+    """
+    for thread in threading.enumerate():
+        if thread.name == "dcp_init" and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+# -- state builders ------------------------------------------------------------------------------
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def rand_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor of random bit patterns (NaN payloads, subnormals, ... included)."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8).bool()
+    n = math.prod(shape) * itemsize(dtype)
+    raw = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def blank_like(obj: object) -> object:
+    """The same structure with every tensor filled with 0xA5 bytes and every leaf set to None."""
+    if isinstance(obj, torch.Tensor):
+        out = torch.empty(obj.shape, dtype=obj.dtype)
+        if out.numel():
+            out.reshape(-1).view(torch.uint8).fill_(0xA5)
+        return out
+    if isinstance(obj, dict):
+        return {k: blank_like(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [blank_like(v) for v in obj]
+    return None
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    assert isinstance(actual, torch.Tensor), f"{what}: got {type(actual).__name__}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert torch.equal(as_bytes(actual), as_bytes(expected)), f"{what}: bytes differ"
+
+
+def assert_state_equal(actual: object, expected: object, path: str = "") -> None:
+    """Recursive comparison; tensors bit for bit, everything else with ==."""
+    if isinstance(expected, torch.Tensor):
+        assert_bits_equal(actual, expected, path)
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), path
+        for k in expected:
+            assert_state_equal(actual[k], expected[k], f"{path}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_state_equal(a, e, f"{path}.{i}")
+    else:
+        assert type(actual) is type(expected) and actual == expected, (path, actual, expected)
+
+
+def clone_state(obj: object) -> object:
+    """Deep copy whose tensors keep their exact bytes (and shapes/strides of a fresh tensor)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_state(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(clone_state(v) for v in obj)
+    return obj
+
+
+# -- save / load ---------------------------------------------------------------------------------
+def save(state: dict, path: Path, writer: DataStatesWriter) -> None:
+    dcp.save(state, checkpoint_id=path, storage_writer=writer, no_dist=True)
+
+
+def load_into(template: dict, path: Path, **reader_kw: object) -> dict:
+    """Load ``path`` into a blank copy of ``template``'s structure and return it."""
+    out = blank_like(template)
+    assert isinstance(out, dict)
+    dcp.load(out, checkpoint_id=path, storage_reader=DataStatesReader(**reader_kw), no_dist=True)
+    return out
+
+
+def data_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.endswith(".safetensors"))
+
+
+@contextlib.contextmanager
+def raises_in_dcp(exc_type: type[BaseException], match: str) -> Iterator[None]:
+    """DCP wraps a rank's error in ``CheckpointException``; check the error inside it."""
+    with pytest.raises(CheckpointException) as info:
+        yield
+    errors = [exc for exc, _ in info.value.failures.values()]
+    assert len(errors) == 1, errors
+    err = errors[0]
+    assert isinstance(err, exc_type), f"expected {exc_type.__name__}, got {err!r}"
+    assert re.search(match, str(err)), f"{match!r} not in {str(err)!r}"

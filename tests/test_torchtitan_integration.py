@@ -1,0 +1,312 @@
+"""torchtitan's real CheckpointManager routed through dcp_datastates (torchtitan 0.3.x, on CPU).
+
+Needs torchtitan importable; it installs without its dependencies (which would bring a CUDA
+torch) plus the two its checkpoint and optimizer modules import::
+
+    pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && pip install tyro
+
+Without it this module is skipped. The single-process tests run a world of one gloo rank
+(torchtitan's manager asks torch.distributed for its rank and makes a gloo group for async
+saves); ``test_fsdp2_async_manager_multi_rank`` runs under mpirun with the other MPI tests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import mpi_util
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from mpi_util import World, agree
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is not installed")
+
+from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.optimizer import (  # noqa: E402
+    LRSchedulersContainer,
+    OptimizersContainer,
+)
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
+
+from dcp_datastates import DataStatesWriter  # noqa: E402
+from dcp_datastates.integrations.torchtitan import (  # noqa: E402
+    DataStatesCheckpointManager,
+    enable_datastates,
+    is_datastates_checkpoint,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:To get the last learning rate computed")
+world = mpi_util.world
+shared = mpi_util.shared
+MODES = ["disabled", "async", "async_with_pinned_mem"]
+#: How long each snapshot is held back in the tests that check the overlap.
+STAGING_DELAY = 0.5
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    """A one-rank gloo world, as torchtitan's manager needs torch.distributed."""
+    if dist.is_initialized():
+        pytest.skip("single-process test; the process group is already taken")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
+
+
+class Counter(Stateful):
+    """Stands in for the trainer's train_state and the dataloader (plain Stateful objects)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "history": [self.step] * 2}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        assert state_dict["history"] == [state_dict["step"]] * 2
+        self.step = state_dict["step"]
+
+
+class Run:
+    """A tiny model with torchtitan's own optimizer and LR scheduler containers."""
+
+    def __init__(self, seed: int, mesh: object | None = None) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 5))
+        if mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.model[0], mesh=mesh)
+            fully_shard(self.model[2], mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        self.optimizers = OptimizersContainer(
+            OptimizersContainer.Config(
+                param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                               optimizer_kwargs={"lr": 1e-2,
+                                                                 "weight_decay": 0.1})],
+                implementation="for-loop",
+            ),
+            model_parts=[self.model],
+        )
+        self.lr_schedulers = LRSchedulersContainer(self.optimizers, lambda s: 1.0 / (1 + s))
+        self.train_state = Counter()
+        self.dataloader = Counter()
+
+    def manager(self, folder: Path, mode: str, cls: type = CheckpointManager,
+                **config: object) -> CheckpointManager:
+        cfg = cls.Config(enable=True, folder="ckpt", interval=2, async_mode=mode,
+                         keep_latest_k=0, last_save_model_only=False, **config)
+        return cfg.build(dataloader=self.dataloader, model_parts=[self.model],
+                         optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
+                         states={"train_state": self.train_state}, sd_adapter=None,
+                         base_folder=str(folder))
+
+    def step(self, step: int, manager: CheckpointManager | None = None) -> None:
+        """One step as torchtitan's trainer orders it."""
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(6, 8, generator=gen), torch.randint(0, 5, (6,), generator=gen)
+        self.optimizers.zero_grad()
+        F.cross_entropy(self.model(x), y).backward()
+        if manager is not None:
+            manager.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.train_state.step = step
+        self.dataloader.step = 10 * step
+
+    def snapshot(self) -> dict:
+        """Everything the manager saves, as full tensors (a collective for FSDP)."""
+        model = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        optim = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for k, v in self.optimizers.state_dict().items()}
+        return _clone({"model": model, "optim": optim, "lr": self.lr_schedulers.state_dict(),
+                       "train": self.train_state.state_dict(),
+                       "data": self.dataloader.state_dict()})
+
+
+def _clone(obj: object) -> object:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj
+
+
+def differences(actual: object, expected: object, path: str = "") -> list[str]:
+    if isinstance(expected, torch.Tensor):
+        same = (isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype
+                and actual.shape == expected.shape
+                and torch.equal(actual.reshape(-1).view(torch.uint8),
+                                expected.reshape(-1).view(torch.uint8)))
+        return [] if same else [f"{path}: tensors differ"]
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [f"{path}: keys differ"]
+        return [d for k in expected for d in differences(actual[k], expected[k], f"{path}.{k}")]
+    return [] if actual == expected else [f"{path}: {actual!r} != {expected!r}"]
+
+
+def slow_snapshots(writer: DataStatesWriter, delay: float = STAGING_DELAY) -> None:
+    """Hold each snapshot back by ``delay`` s: a missing wait before optimizer.step() shows."""
+    stager = writer.engine.stager
+    real = stager._fill
+
+    def fill(*args: object) -> object:
+        time.sleep(delay)
+        return real(*args)
+
+    stager._fill = fill
+
+
+def step_dirs(folder: Path) -> list[str]:
+    return sorted(p.name for p in (folder / "ckpt").iterdir())
+
+
+# -- single process ------------------------------------------------------------------------------
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("mode", MODES)
+def test_manager_saves_and_resumes(one_rank: None, tmp_path: Path, mode: str) -> None:
+    run = Run(seed=0)
+    manager = run.manager(tmp_path, mode)
+    writer = enable_datastates(manager, host_cache_size="16MiB", io_backend="threads")
+    assert isinstance(writer, DataStatesWriter)
+    slow_snapshots(writer)
+    saved = {}
+    for step in range(1, 6):
+        run.step(step, manager)
+        manager.save(step, last_step=step == 5)
+        if mode != "disabled" and step in (2, 4):
+            # save() returned while the snapshot is still copying (it overlaps the next step)
+            assert not manager._datastates.staging.done()
+        if step in (2, 4, 5):
+            saved[step] = run.snapshot()
+    manager.close()
+    assert step_dirs(tmp_path) == ["step-2", "step-4", "step-5"]
+    for name in step_dirs(tmp_path):
+        directory = tmp_path / "ckpt" / name
+        assert is_datastates_checkpoint(directory)
+        assert (directory / ".metadata").is_file()
+        assert not list(directory.glob("*.distcp"))
+    assert writer.last_stats() is not None
+
+    # resume from step 4 in a fresh run; one more step must give step 5 exactly
+    again = Run(seed=1)
+    manager = again.manager(tmp_path, mode)
+    enable_datastates(manager, host_cache_size="16MiB", io_backend="threads")
+    assert manager.load(step=4)
+    assert differences(again.snapshot(), saved[4], "step 4") == []
+    again.step(5, manager)
+    assert differences(again.snapshot(), saved[5], "step 4 + 1") == []
+    # without a step: the latest checkpoint (the last step's, saved synchronously)
+    latest = Run(seed=2)
+    latest_manager = latest.manager(tmp_path, mode)
+    enable_datastates(latest_manager, host_cache_size="16MiB", io_backend="threads")
+    assert latest_manager.load()
+    assert differences(latest.snapshot(), saved[5], "latest") == []
+    manager.close()
+    latest_manager.close()
+
+
+@pytest.mark.mpi_skip
+def test_loads_checkpoint_of_stock_torchtitan(one_rank: None, tmp_path: Path) -> None:
+    """A run that switches over resumes from the checkpoint stock torchtitan wrote."""
+    run = Run(seed=0)
+    stock = run.manager(tmp_path, "disabled")
+    for step in (1, 2):
+        run.step(step)
+        stock.save(step)
+    stock.close()
+    directory = tmp_path / "ckpt" / "step-2"
+    assert list(directory.glob("*.distcp")) and not is_datastates_checkpoint(directory)
+    expected = run.snapshot()
+
+    again = Run(seed=1)
+    manager = again.manager(tmp_path, "async")
+    enable_datastates(manager, host_cache_size="16MiB", io_backend="threads")
+    assert manager.load()
+    assert differences(again.snapshot(), expected, "stock") == []
+    again.step(3, manager)
+    again.step(4, manager)
+    manager.save(4)
+    manager.close()
+    assert is_datastates_checkpoint(tmp_path / "ckpt" / "step-4")
+
+
+@pytest.mark.mpi_skip
+def test_config_subclass(one_rank: None, tmp_path: Path) -> None:
+    """``DataStatesCheckpointManager.Config`` builds a manager with the writer in place."""
+    run = Run(seed=0)
+    manager = run.manager(tmp_path, "async", cls=DataStatesCheckpointManager,
+                          host_cache_size="16MiB", io_backend="threads")
+    assert isinstance(manager, DataStatesCheckpointManager)
+    writer = manager._datastates.writer
+    assert writer.host_cache_size == 16 << 20
+    assert enable_datastates(manager) is writer  # a second call changes nothing
+    for step in (1, 2):
+        run.step(step, manager)
+        manager.save(step)
+    expected = run.snapshot()
+    manager.close()
+    again = Run(seed=1)
+    other = again.manager(tmp_path, "disabled", cls=DataStatesCheckpointManager,
+                          host_cache_size="16MiB", io_backend="threads")
+    assert other.load(step=2)
+    assert differences(again.snapshot(), expected, "subclass") == []
+    other.close()
+
+
+@pytest.mark.mpi_skip
+def test_disabled_manager_is_left_alone(one_rank: None, tmp_path: Path) -> None:
+    run = Run(seed=0)
+    cfg = CheckpointManager.Config(enable=False)
+    manager = cfg.build(dataloader=None, model_parts=[run.model], optimizers=run.optimizers,
+                        lr_schedulers=run.lr_schedulers, states={}, sd_adapter=None,
+                        base_folder=str(tmp_path))
+    assert enable_datastates(manager) is None
+    assert not hasattr(manager, "_datastates")
+
+
+# -- several ranks (mpirun) ----------------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
+def test_fsdp2_async_manager_multi_rank(world: World, shared: Path) -> None:
+    """FSDP2 on all ranks, the manager in "async" mode; a fresh run resumes bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world.size,))
+    run = Run(seed=0, mesh=mesh)
+    manager = run.manager(shared, "async")
+    writer = enable_datastates(manager, host_cache_size="16MiB")
+    slow_snapshots(writer, 0.2)
+    saved = {}
+    for step in range(1, 5):
+        run.step(step, manager)
+        manager.save(step)
+        if step % 2 == 0:
+            saved[step] = run.snapshot()
+    manager.close()
+    errors = []
+    if sorted(os.listdir(shared / "ckpt")) != ["step-2", "step-4"]:
+        errors.append(f"folders: {sorted(os.listdir(shared / 'ckpt'))}")
+    again = Run(seed=1, mesh=mesh)
+    other = again.manager(shared, "async")
+    enable_datastates(other, host_cache_size="16MiB")
+    for step in (2, 4):
+        other.load(step=step)
+        errors += differences(again.snapshot(), saved[step], f"step {step}")
+    other.close()
+    agree(errors, f"torchtitan manager on {world.size} ranks")
