@@ -48,7 +48,7 @@ def open_for_write(path: Path, direct: bool | None) -> tuple[int, bool]:
     It does not help on memory file systems (tmpfs, ramfs): there the page cache is the file.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    if direct is None and _memory_backed(path.parent):
+    if direct is None and memory_backed(path.parent):
         direct = False
     if direct is not False:
         try:
@@ -199,7 +199,7 @@ _MEMORY_FS = {0x01021994, 0x858458F6}  # TMPFS_MAGIC, RAMFS_MAGIC
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _memory_backed(directory: Path) -> bool:
+def memory_backed(directory: Path) -> bool:
     """Whether ``directory`` lives on a memory file system (statfs ``f_type``)."""
     buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field (a long)
     if _libc.statfs(os.fsencode(directory), buf) != 0:

@@ -8,6 +8,7 @@ import os
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,8 +20,9 @@ from . import cuda_copy
 from .checksums import memory_at, verify_span
 from .cuda_copy import SideStreams
 from .errors import CheckpointCorruptError
-from .host_cache import HostCache
-from .io import IOBackend, IOReq, get_backend
+from .file_writer import memory_backed
+from .host_cache import HostCache, Region, round_up
+from .io import ALIGN, IOBackend, IOReq, get_backend
 from .metadata_file import ItemLocation, read_metadata
 from .sizes import parse_size
 
@@ -36,6 +38,8 @@ class DataStatesReader(StorageReader):
         host_cache_size: pinned host memory (bytes or ``"1GiB"``) that GPU restores read into
             before their host-to-device copies; on GPU hosts it is pinned in the background as
             the reader is made.
+        direct_io: read GPU restores with O_DIRECT (straight from the disk into pinned memory,
+            many requests in flight) where the file system allows it.
     """
 
     def __init__(
@@ -46,9 +50,11 @@ class DataStatesReader(StorageReader):
         verify_checksums: bool = True,
         io_workers: int = 8,
         host_cache_size: int | str = "1GiB",
+        direct_io: bool = True,
     ) -> None:
         super().__init__()
         self.host_cache_size = parse_size(host_cache_size, name="host_cache_size")
+        self.direct_io = direct_io
         self._gpu: tuple[HostCache, SideStreams] | None = None
         self._gpu_lock = threading.Lock()
         if cuda_copy.available():
@@ -86,19 +92,19 @@ class DataStatesReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         backend = get_backend(self.io_backend)
-        files = _OpenFiles(self._checkpoint_dir())
+        files = _OpenFiles(self._checkpoint_dir(), self.direct_io)
         try:
             with ThreadPoolExecutor(self.io_workers, "dcp_datastates-read") as pool:
                 jobs = []
                 for req in plan.items:
                     loc = self._location(req)
-                    fd = files.open(loc, req)
+                    f = files.open(loc, req)
                     if req.type == LoadItemType.BYTE_IO:
                         target = None
-                        job = pool.submit(self._read_bytes, backend, fd, loc, req)
+                        job = pool.submit(self._read_bytes, backend, f, loc, req)
                     else:
                         target = planner.resolve_tensor(req).detach()
-                        job = pool.submit(self._read_tensor, backend, fd, loc, req, target)
+                        job = pool.submit(self._read_tensor, backend, f, loc, req, target)
                     jobs.append((req, target, job))
                 for req, target, job in jobs:
                     data = job.result()
@@ -142,17 +148,17 @@ class DataStatesReader(StorageReader):
     def _describe(self, loc: ItemLocation, req: ReadItem) -> str:
         return f"checkpoint {self.path}, file {loc.file}, item {req.storage_index.fqn!r}"
 
-    def _read(self, backend: IOBackend, fd: int, loc: ItemLocation, a: int, dst: torch.Tensor,
+    def _read(self, backend: IOBackend, f: _File, loc: ItemLocation, a: int, dst: torch.Tensor,
               req: ReadItem) -> None:
         """Read item bytes ``[a, a + dst.numel())`` into the flat uint8 tensor ``dst``."""
         if not dst.numel():
             return
         try:
-            backend.read(fd, loc.file, [IOReq(dst.data_ptr(), dst.numel(), loc.offset + a)])
+            backend.read(f.fd, loc.file, [IOReq(dst.data_ptr(), dst.numel(), loc.offset + a)])
         except OSError as exc:
             raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
 
-    def _verify(self, backend: IOBackend, fd: int, loc: ItemLocation, a: int, main: torch.Tensor,
+    def _verify(self, backend: IOBackend, f: _File, loc: ItemLocation, a: int, main: torch.Tensor,
                 req: ReadItem) -> None:
         """Check the blocks covering item bytes ``[a, a + len(main))``, reading their edges."""
         if not self.verify_checksums:
@@ -161,20 +167,20 @@ class DataStatesReader(StorageReader):
         lo = a - a % loc.block
         hi = min(loc.length, -(-b // loc.block) * loc.block) if b > a else lo
         head, tail = _bytes(a - lo), _bytes(max(hi - b, 0))  # alive until verified
-        self._read(backend, fd, loc, lo, head, req)
-        self._read(backend, fd, loc, b, tail, req)
+        self._read(backend, f, loc, lo, head, req)
+        self._read(backend, f, loc, b, tail, req)
         segments = [(start, memory_at(data.data_ptr(), data.numel()))
                     for start, data in ((lo, head), (a, main), (b, tail))
                     if data.numel() or start == lo]
         verify_span(segments, loc.checksums, loc.block, loc.length, self._describe(loc, req))
 
-    def _read_bytes(self, backend: IOBackend, fd: int, loc: ItemLocation, req: ReadItem) -> bytes:
+    def _read_bytes(self, backend: IOBackend, f: _File, loc: ItemLocation, req: ReadItem) -> bytes:
         buf = _bytes(loc.length)
-        self._read(backend, fd, loc, 0, buf, req)
-        self._verify(backend, fd, loc, 0, buf, req)
+        self._read(backend, f, loc, 0, buf, req)
+        self._verify(backend, f, loc, 0, buf, req)
         return bytes(memory_at(buf.data_ptr(), buf.numel())) if buf.numel() else b""
 
-    def _read_tensor(self, backend: IOBackend, fd: int, loc: ItemLocation, req: ReadItem,
+    def _read_tensor(self, backend: IOBackend, f: _File, loc: ItemLocation, req: ReadItem,
                      target: torch.Tensor) -> None:
         md = self.metadata.state_dict_metadata.get(req.storage_index.fqn)
         if not isinstance(md, TensorStorageMetadata):
@@ -196,11 +202,11 @@ class DataStatesReader(StorageReader):
             and whole_rows and target.numel() * itemsize == b - a
         )
         if direct and target.is_cuda and self._gpu_path() is not None:
-            return self._read_to_gpu(backend, fd, loc, a, b, req, target)
+            return self._read_to_gpu(backend, f, loc, a, b, req, target)
         direct = direct and not target.is_cuda
         buf = target.reshape(-1).view(torch.uint8) if direct else _bytes(b - a)
-        self._read(backend, fd, loc, a, buf, req)
-        self._verify(backend, fd, loc, a, buf, req)
+        self._read(backend, f, loc, a, buf, req)
+        self._verify(backend, f, loc, a, buf, req)
         if not direct:
             rows = [lengths[0], *shape[1:]] if shape else []
             view = buf.view(dtype).view(rows)
@@ -220,7 +226,7 @@ class DataStatesReader(StorageReader):
                 self._gpu = (cache, SideStreams())
             return self._gpu
 
-    def _read_to_gpu(self, backend: IOBackend, fd: int, loc: ItemLocation, a: int, b: int,
+    def _read_to_gpu(self, backend: IOBackend, f: _File, loc: ItemLocation, a: int, b: int,
                      req: ReadItem, target: torch.Tensor) -> None:
         """Item bytes ``[a, b)`` -> pinned extents -> ``cudaMemcpyAsync`` into ``target``.
 
@@ -237,7 +243,7 @@ class DataStatesReader(StorageReader):
             region = pool.allocate(e - s)
             try:
                 buf = region.as_tensor(e - s)
-                self._read(backend, fd, loc, s, buf, req)
+                self._read_extent(backend, f, loc, s, region, req)
                 if self.verify_checksums:
                     verify_span([(s, memory_at(buf.data_ptr(), e - s))], loc.checksums, block,
                                 loc.length, self._describe(loc, req))
@@ -248,6 +254,26 @@ class DataStatesReader(StorageReader):
             finally:
                 region.release()
 
+    def _read_extent(self, backend: IOBackend, f: _File, loc: ItemLocation, s: int,
+                     region: Region, req: ReadItem) -> None:
+        """Item bytes ``[s, s + region.nbytes)`` into ``region``: O_DIRECT for the aligned body.
+
+        The body is read in whole 4 KiB blocks (the region has room for the rounding), up to
+        the file's last whole block; what is left (the file's tail) is read buffered.
+        """
+        start, end = loc.offset + s, loc.offset + s + region.nbytes
+        body_end = start
+        if f.direct_fd is not None and start % ALIGN == 0:
+            body_end = max(start, min(round_up(end), f.size - f.size % ALIGN))
+        try:
+            if body_end > start:
+                backend.read(f.direct_fd, loc.file, [IOReq(region.addr, body_end - start, start)])
+            if body_end < end:
+                backend.read(f.fd, loc.file,
+                             [IOReq(region.addr + body_end - start, end - body_end, body_end)])
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
+
     def close(self) -> None:
         """Unpin and free the GPU restore cache (if one was made)."""
         with self._gpu_lock:
@@ -256,15 +282,25 @@ class DataStatesReader(StorageReader):
                 self._gpu = None
 
 
+@dataclass
+class _File:
+    """An open data file: a buffered descriptor, its size, and an O_DIRECT one where usable."""
+
+    fd: int
+    size: int
+    direct_fd: int | None
+
+
 class _OpenFiles:
     """Data files opened once per read, with their sizes checked against each item."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, direct: bool) -> None:
         self.directory = directory
-        self._fds: dict[str, tuple[int, int]] = {}
+        self.direct = direct
+        self._files: dict[str, _File] = {}
 
-    def open(self, loc: ItemLocation, req: ReadItem) -> int:
-        if loc.file not in self._fds:
+    def open(self, loc: ItemLocation, req: ReadItem) -> _File:
+        if loc.file not in self._files:
             path = self.directory / loc.file
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -273,20 +309,28 @@ class _OpenFiles:
                     f"checkpoint {self.directory}: data file {loc.file} is missing (item "
                     f"{req.storage_index.fqn!r} lives there)"
                 ) from None
-            self._fds[loc.file] = (fd, os.fstat(fd).st_size)
-        fd, size = self._fds[loc.file]
-        if loc.offset + loc.length > size:
+            direct_fd = None
+            if self.direct and not memory_backed(self.directory):
+                try:
+                    direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+                except OSError:
+                    direct_fd = None  # the file system refuses O_DIRECT: buffered reads only
+            self._files[loc.file] = _File(fd, os.fstat(fd).st_size, direct_fd)
+        file = self._files[loc.file]
+        if loc.offset + loc.length > file.size:
             raise CheckpointCorruptError(
                 f"checkpoint {self.directory}: data file {loc.file} is truncated: item "
                 f"{req.storage_index.fqn!r} needs bytes {loc.offset}..{loc.offset + loc.length}, "
-                f"the file has {size}"
+                f"the file has {file.size}"
             )
-        return fd
+        return file
 
     def close(self) -> None:
-        for fd, _ in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for file in self._files.values():
+            os.close(file.fd)
+            if file.direct_fd is not None:
+                os.close(file.direct_fd)
+        self._files.clear()
 
 
 def _bytes(n: int) -> torch.Tensor:
