@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .host_cache import HostCache
 
 try:
     from cuda.bindings import runtime as cudart
@@ -41,14 +46,15 @@ def _check(result: tuple, what: str) -> tuple:
     return tuple(rest)
 
 
-def pin(addr: int, nbytes: int) -> None:
-    """Page-lock host memory for fast asynchronous copies (costs about 0.5 s per GiB)."""
-    _check(cudart.cudaHostRegister(addr, nbytes, cudart.cudaHostRegisterPortable),
+def pin(cache: HostCache) -> weakref.finalize:
+    """Page-lock the cache for fast asynchronous copies (costs about 0.5 s per GiB).
+
+    Returns the unpin call: run it to unpin early; it also runs when the cache is collected,
+    before its memory is unmapped (so a later mapping at the same address can be pinned).
+    """
+    _check(cudart.cudaHostRegister(cache.addr, cache.nbytes, cudart.cudaHostRegisterPortable),
            "cudaHostRegister")
-
-
-def unpin(addr: int) -> None:
-    _check(cudart.cudaHostUnregister(addr), "cudaHostUnregister")
+    return weakref.finalize(cache, cudart.cudaHostUnregister, cache.addr)
 
 
 class SideStreams:

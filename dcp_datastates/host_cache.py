@@ -46,6 +46,15 @@ class Region:
         n = self.nbytes if nbytes is None else nbytes
         return self.pool.cache.tensor[self.offset : self.offset + n]
 
+    def own_storage_tensor(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """A ``dtype``/``shape`` tensor over the region with a storage of its own (offset 0).
+
+        Torch pickles a DTensor whose local tensor sits at a storage offset as a plain tensor
+        (and crashes sharing it), so staged copies get their own storage slice.
+        """
+        storage = self.pool.cache.storage[self.offset : self.offset + self.nbytes]
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
     def zero_tail(self) -> None:
         """Zero the bytes between the requested size and the capacity (no stale memory in files)."""
         if self.capacity > self.nbytes:

@@ -65,13 +65,26 @@ class DataStatesReader(StorageReader):
         self.io_workers = io_workers
         self.load_id = str(uuid.uuid4())
         self.metadata: Metadata | None = None
+        self._metadata: Metadata | None = None  # read by reset(), handed out once
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Point at ``checkpoint_id`` and read its ``.metadata`` now.
+
+        Reading here, rather than only in ``read_metadata``, lets a missing or damaged
+        checkpoint raise its own clear error: some torch versions replace errors from
+        ``read_metadata`` with "metadata is None".
+        """
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
+        self._metadata = self._read_checked() if checkpoint_id is not None else None
 
     def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+        metadata = self._metadata or self._read_checked()
+        self._metadata = None
+        return metadata
+
+    def _read_checked(self) -> Metadata:
         metadata = read_metadata(self._checkpoint_dir())
         _check_locations(self._checkpoint_dir(), metadata)
         if metadata.storage_meta is None:
@@ -197,13 +210,13 @@ class DataStatesReader(StorageReader):
         row = math.prod(shape[1:]) * itemsize
         a, b = (offsets[0] * row, (offsets[0] + lengths[0]) * row) if shape else (0, loc.length)
         whole_rows = offsets[1:] == [0] * (len(shape) - 1) and lengths[1:] == list(shape[1:])
-        direct = (
-            target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
-            and whole_rows and target.numel() * itemsize == b - a
+        direct = (  # the request is the target's bytes, in order: no reshaping copy needed
+            target.is_contiguous() and target.dtype == dtype and whole_rows
+            and target.numel() * itemsize == b - a
         )
         if direct and target.is_cuda and self._gpu_path() is not None:
             return self._read_to_gpu(backend, f, loc, a, b, req, target)
-        direct = direct and not target.is_cuda
+        direct = direct and target.device.type == "cpu"
         buf = target.reshape(-1).view(torch.uint8) if direct else _bytes(b - a)
         self._read(backend, f, loc, a, buf, req)
         self._verify(backend, f, loc, a, buf, req)
@@ -222,7 +235,7 @@ class DataStatesReader(StorageReader):
         with self._gpu_lock:
             if self._gpu is None:
                 cache = HostCache(self.host_cache_size, bounce_only=True)
-                cuda_copy.pin(cache.addr, cache.nbytes)
+                self._unpin = cuda_copy.pin(cache)
                 self._gpu = (cache, SideStreams())
             return self._gpu
 
@@ -278,7 +291,7 @@ class DataStatesReader(StorageReader):
         """Unpin and free the GPU restore cache (if one was made)."""
         with self._gpu_lock:
             if self._gpu is not None:
-                cuda_copy.unpin(self._gpu[0].addr)
+                self._unpin()
                 self._gpu = None
 
 

@@ -125,7 +125,7 @@ class Stager:
         region.zero_tail()
         snapshot.regions.append(region)
         snapshot.stats.staged_bytes += nbytes
-        dst = region.as_tensor().view(src.dtype).view(src.shape)
+        dst = region.own_storage_tensor(src.dtype, src.shape)
         with self._lock:
             self._by_addr[region.addr] = region
         weakref.finalize(dst, self._forget, region)

@@ -47,8 +47,7 @@ class _Engine:
     def __init__(self, cache_bytes: int, io_backend: str, io_workers: int) -> None:
         self.cache = HostCache(cache_bytes)
         self.streams = SideStreams() if cuda_copy.available() else None
-        if self.streams is not None:
-            cuda_copy.pin(self.cache.addr, self.cache.nbytes)
+        self.unpin = cuda_copy.pin(self.cache) if self.streams is not None else None
         self.backend = get_backend(io_backend)
         self.backend.register(self.cache.addr, self.cache.nbytes)
         self.stager = Stager(self.cache.snapshots, self.streams)
@@ -58,8 +57,8 @@ class _Engine:
     def close(self) -> None:
         self.stager.close()
         self.executor.shutdown(wait=True)
-        if self.streams is not None:
-            cuda_copy.unpin(self.cache.addr)
+        if self.unpin is not None:
+            self.unpin()
 
 
 def _ends_turn_on_error(method: Callable) -> Callable:
