@@ -182,22 +182,22 @@ def run_mode(mode: str, tr: Trainer, path: Path, setup: dict, rec: dict, saver=N
 
 
 def mode_dcp(mode: str, tr: Trainer, path: Path, setup: dict, rec: dict) -> None:
-    """DCP's async_save with a pinned, async DefaultStager (primed once, outside the timing)."""
+    """DCP's async_save with a pinned, async DefaultStager.
+
+    A fresh stager per checkpoint: reusing one raises KeyError(<class 'type'>) in torch 2.11's
+    StateDictStager deep copy (seen on the H100 machine), so each checkpoint pins anew.
+    """
     gpu = tr.device == "cuda"
-    t0 = time.perf_counter()
-    stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                          use_async_staging=True, use_non_blocking_copy=gpu))
-    try:
-        stager.stage(tr.state(0)).result()  # pins and caches its host copy once
-        setup["dcp_stager_prime_s"] = time.perf_counter() - t0
 
-        def saver(state: dict, path: Path) -> object:
-            return dcp.async_save(state, checkpoint_id=path, storage_writer=FileSystemWriter(path),
-                                  async_stager=stager, no_dist=True)
+    def saver(state: dict, path: Path) -> object:
+        stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                              use_async_staging=True, use_non_blocking_copy=gpu))
+        resp = dcp.async_save(state, checkpoint_id=path, storage_writer=FileSystemWriter(path),
+                              async_stager=stager, no_dist=True)
+        resp.upload_completion.add_done_callback(lambda _: stager.close())
+        return resp
 
-        run_mode(mode, tr, path, setup, rec, saver)
-    finally:
-        stager.close()
+    run_mode(mode, tr, path, setup, rec, saver)
 
 
 def mode_ours(mode: str, tr: Trainer, path: Path, setup: dict, rec: dict) -> None:
