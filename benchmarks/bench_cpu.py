@@ -18,7 +18,6 @@ import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from common import dd, drop_cache
 from plot import plot
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
@@ -110,28 +110,6 @@ def mem_available() -> int:
     return int(re.search(r"MemAvailable:\s+(\d+)", text).group(1)) * 1024
 
 
-def drop_cache(root: Path) -> str:
-    """Evict ``root``'s files from the page cache: drop_caches if allowed, else fadvise."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        for f in (p for p in root.rglob("*") if p.is_file()):
-            fd = os.open(f, os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        return "fadvise"
-
-
-def dd(*args: str) -> float:
-    """Run dd; return its own elapsed seconds."""
-    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True,
-                         env={**os.environ, "LC_ALL": "C"}).stderr
-    return float(re.search(r"copied, ([\d.e+-]+) s", out).group(1))
-
-
 def _views(sd: dict, nbytes: int) -> list[memoryview]:
     """Byte views of ``sd``'s largest tensors, ``nbytes`` in all (for one writev / preadv)."""
     out, left = [], nbytes
@@ -164,7 +142,7 @@ def disk_ceiling(root: Path, dest: dict, nbytes: int) -> dict[str, float]:
     n = count * (4 << 20) / GiB
     out = {"save": n / dd("if=/dev/zero", f"of={f}", "bs=4M", f"count={count}", "oflag=direct",
                           "conv=fsync")}
-    drop_cache(root)
+    drop_cache([root])
     out["load cold"] = n / dd(f"if={f}", "of=/dev/null", "bs=4M", "iflag=direct")
     dd(f"if={f}", "of=/dev/null", "bs=4M")  # populate the page cache
     out["load warm"] = n / _preadv(f, _views(dest, count * (4 << 20)))
@@ -300,7 +278,7 @@ def main() -> None:
             for side in order:
                 poison(dest)
                 if not tmpfs:
-                    evict = drop_cache(root)
+                    evict = drop_cache([root])
                 how = (dest, ckpt[side], side)
                 op = "load" if tmpfs else "load cold"
                 rec[op][side].append(timed(0, load, *how))
