@@ -1,0 +1,241 @@
+"""``python -m dcp_datastates``: inspect, verify and export, on real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from dcp_datastates import DataStatesWriter, cli
+from dcp_datastates.metadata_file import read_metadata
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental"),
+]
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {
+            "w": torch.randn(64, 32, generator=g),
+            "b": torch.randn(32, generator=g).to(torch.bfloat16),
+            "ids": torch.arange(10, dtype=torch.int64),
+        },
+        "opt": {"c": torch.randn(3, 2, dtype=torch.complex128, generator=g)},
+        "step": 7,
+    }
+
+
+def _save(state: dict, path: Path) -> Path:
+    writer = DataStatesWriter(host_cache_size="16MiB", io_backend="threads")
+    try:
+        dcp.save(state, checkpoint_id=path, storage_writer=writer, no_dist=True)
+    finally:
+        writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(_state(), tmp_path_factory.mktemp("ckpt") / "step_7")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dcp_datastates", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``cli.main`` in this process (fast): exit code, stdout, stderr."""
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _data_file(path: Path) -> Path:
+    (f,) = [p for p in path.iterdir() if p.suffix == ".safetensors"]
+    return f
+
+
+# -- inspect ------------------------------------------------------------------------------------
+def test_inspect_table(ckpt: Path) -> None:
+    res = _run("inspect", str(ckpt))
+    assert res.returncode == 0, res.stderr
+    lines = {ln.split()[0]: ln.split() for ln in res.stdout.splitlines() if ln.strip()}
+    assert lines["model.w"][1:4] == ["tensor", "float32", "[64,"]
+    assert lines["model.b"][1:3] == ["tensor", "bfloat16"]
+    assert lines["opt.c"][2] == "complex128"
+    assert lines["step"][1:4] == ["bytes", "-", "-"]
+    assert _data_file(ckpt).name in res.stdout
+    assert "total: 5 items (4 tensors" in res.stdout
+
+
+def test_inspect_json(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", "--json", str(ckpt)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    items = {i["fqn"]: i for i in data["items"]}
+    assert set(items) == {"model.w", "model.b", "model.ids", "opt.c", "step"}
+    assert items["model.w"] | {"files": None} == {
+        "fqn": "model.w", "kind": "tensor", "dtype": "float32", "shape": [64, 32],
+        "chunks": 1, "bytes": 64 * 32 * 4, "files": None}
+    assert items["model.ids"]["dtype"] == "int64" and items["model.ids"]["shape"] == [10]
+    assert items["step"]["kind"] == "bytes" and items["step"]["shape"] is None
+    (f,) = data["files"]
+    assert f["name"] == _data_file(ckpt).name and f["items"] == 5
+    assert f["size"] == _data_file(ckpt).stat().st_size
+    assert data["totals"]["items"] == 5 and data["totals"]["tensors"] == 4
+
+
+# -- verify -------------------------------------------------------------------------------------
+def test_verify_good(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _main(capsys, "verify", str(ckpt))
+    assert code == 0, err
+    assert out.startswith("OK:") and "100%" in err
+
+
+def test_verify_flipped_byte(ckpt: Path, tmp_path: Path) -> None:
+    bad = _copy(ckpt, tmp_path / "bad")
+    loc = next(v for k, v in read_metadata(bad).storage_data.items() if k.fqn == "model.w")
+    f = bad / loc.file
+    raw = bytearray(f.read_bytes())
+    raw[loc.offset + 100] ^= 0x01
+    f.write_bytes(raw)
+    res = _run("verify", "-q", str(bad))
+    assert res.returncode == 1
+    assert f"file {loc.file}, item 'model.w'" in res.stderr and "checksum mismatch" in res.stderr
+    assert f"item bytes 0..{loc.length}" in res.stderr
+    assert "model.b" not in res.stderr  # only the damaged item is reported
+
+
+def test_verify_truncated_and_missing(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = _copy(ckpt, tmp_path / "bad")
+    f = _data_file(bad)
+    locs = read_metadata(bad).storage_data
+    last = max(locs, key=lambda k: locs[k].offset + locs[k].length)
+    with open(f, "r+b") as fh:
+        fh.truncate(locs[last].offset + 1)
+    code, _, err = _main(capsys, "verify", "-q", str(bad))
+    assert code == 1
+    assert f"file {f.name}, item {last.fqn!r}" in err and "truncated" in err
+    f.unlink()
+    code, _, err = _main(capsys, "verify", "-q", str(bad))
+    assert code == 1
+    assert f"file {f.name}" in err and "missing" in err
+
+
+# -- export -------------------------------------------------------------------------------------
+def test_export_single_file(ckpt: Path, tmp_path: Path) -> None:
+    res = _run("export", str(ckpt), str(tmp_path / "hf"), "--prefix", "model.")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    state = _state()["model"]
+    assert set(got) == set(state)
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8),
+                                                       v.view(torch.uint8))
+
+
+def test_export_skips_and_shards(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "hf"
+    code, _, err = _main(capsys, "export", str(ckpt), str(out), "--max-shard-size", "4KiB")
+    assert code == 0, err
+    assert "step" in err and "opt.c (complex128)" in err
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"model.w", "model.b", "model.ids"}
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and all(f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    merged: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = load_file(out / f)
+        assert all(index["weight_map"][k] == f for k in part)
+        merged |= part
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in merged.values())
+    for k, v in _state()["model"].items():
+        assert torch.equal(merged[f"model.{k}"].view(torch.uint8), v.view(torch.uint8))
+
+
+def _full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"rows": torch.randn(5, 3, generator=g), "cols": torch.randn(4, 7, generator=g),
+            "rep": torch.randn(6, generator=g).to(torch.float16)}
+
+
+def _rank_save(rank: int, store_path: str, ckpt: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        full = _full_tensors()
+        state = {"model": {
+            "rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+            "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+            "rep": distribute_tensor(full["rep"], mesh, [Replicate()]),
+        }}
+        writer = DataStatesWriter(host_cache_size="16MiB", io_backend="threads")
+        try:
+            dcp.save(state, checkpoint_id=ckpt, storage_writer=writer)
+        finally:
+            writer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_export_stitches_sharded_dtensors(tmp_path: Path) -> None:
+    ckpt = tmp_path / "sharded"
+    mp.spawn(_rank_save, args=(str(tmp_path / "store"), str(ckpt)), nprocs=2, join=True)
+    data = cli._inspect_data(ckpt)
+    items = {i["fqn"]: i for i in data["items"]}
+    assert items["model.rows"]["chunks"] == 2 and items["model.cols"]["chunks"] == 2
+    assert items["model.rows"]["shape"] == [5, 3] and len(data["files"]) == 2
+    assert cli.main(["verify", "-q", str(ckpt)]) == 0
+    assert cli.main(["export", "-q", str(ckpt), str(tmp_path / "hf"), "--prefix", "model."]) == 0
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    for k, v in _full_tensors().items():
+        assert got[k].shape == v.shape and got[k].dtype == v.dtype
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+# -- help ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("command", "words"), [
+    ("inspect", "list every item"), ("verify", "checksums"), ("export", "safetensors")])
+def test_help(command: str, words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and words in out and "PATH" in out
+
+
+def test_help_subprocess() -> None:
+    res = _run("--help")
+    assert res.returncode == 0
+    assert all(c in res.stdout for c in ("inspect", "verify", "export"))
+
+
+def test_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _main(capsys, "inspect", str(tmp_path))
+    assert code == 1 and ".metadata is missing" in err
