@@ -18,7 +18,7 @@ import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .errors import CheckpointCorruptError, CheckpointError
-from .file_format import _SAFETENSORS_DTYPES
+from .file_format import SAFETENSORS_DTYPES
 from .metadata_file import ItemLocation, read_metadata
 from .sizes import format_size, parse_size
 
@@ -339,7 +339,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             continue
         if not isinstance(smd, TensorStorageMetadata):
             skipped_bytes.append(fqn)
-        elif smd.properties.dtype not in _SAFETENSORS_DTYPES:
+        elif smd.properties.dtype not in SAFETENSORS_DTYPES:
             skipped_dtype.append(f"{fqn} ({_dtype_name(smd.properties.dtype)})")
         else:
             selected[fqn[len(args.prefix):]] = (fqn, smd)

@@ -29,7 +29,7 @@ LARGE_ITEM_BYTES = 64 << 10
 #: Largest header the reader accepts (safetensors' own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -127,9 +127,9 @@ def _header_bytes(placements: list[Placement]) -> bytes:
         spec = p.spec
         if spec is None:
             entries[f"{PAD_PREFIX}{k}"] = _entry("U8", [p.nbytes], p)
-        elif spec.dtype in _SAFETENSORS_DTYPES:
+        elif spec.dtype in SAFETENSORS_DTYPES:
             key = entry_key(spec.name)
-            entries[key] = _entry(_SAFETENSORS_DTYPES[spec.dtype], list(spec.shape), p)
+            entries[key] = _entry(SAFETENSORS_DTYPES[spec.dtype], list(spec.shape), p)
         else:
             key = entry_key(spec.name)
             raw[key] = RAW_PICKLE if spec.dtype is None else str(spec.dtype)
@@ -170,7 +170,7 @@ def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, 
         raise CheckpointCorruptError(f"{path}: header needs {8 + size} bytes, got {len(head)}")
     try:
         header = json.loads(head[8 : 8 + size].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 / JSON, huge ints, deep nesting
         raise CheckpointCorruptError(f"{path}: header is not valid UTF-8 JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{path}: header is not a JSON object")
@@ -182,7 +182,7 @@ def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, 
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)
+            or not all(type(o) is int for o in offsets)  # bools are not offsets
             or not 0 <= offsets[0] <= offsets[1] <= file_size - data_start
         ):
             raise CheckpointCorruptError(

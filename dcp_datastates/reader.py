@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import stat
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -316,19 +317,33 @@ class _OpenFiles:
         if loc.file not in self._files:
             path = self.directory / loc.file
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                # O_NONBLOCK: a FIFO planted under a data file's name must not hang the open
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise CheckpointCorruptError(
                     f"checkpoint {self.directory}: data file {loc.file} is missing (item "
                     f"{req.storage_index.fqn!r} lives there)"
                 ) from None
+            except OSError as exc:  # a directory, unreadable, ...: not a usable data file
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}: cannot open data file {loc.file} (item "
+                    f"{req.storage_index.fqn!r} lives there): {exc}"
+                ) from exc
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}: data file {loc.file} is not a regular file "
+                    f"(item {req.storage_index.fqn!r} lives there)"
+                )
+            os.set_blocking(fd, True)  # io_uring would answer EAGAIN on an O_NONBLOCK file
             direct_fd = None
             if self.direct and not memory_backed(self.directory):
                 try:
                     direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
                 except OSError:
                     direct_fd = None  # the file system refuses O_DIRECT: buffered reads only
-            self._files[loc.file] = _File(fd, os.fstat(fd).st_size, direct_fd)
+            self._files[loc.file] = _File(fd, st.st_size, direct_fd)
         file = self._files[loc.file]
         if loc.offset + loc.length > file.size:
             raise CheckpointCorruptError(
@@ -371,7 +386,26 @@ def _check_locations(directory: Path, metadata: Metadata) -> None:
         name_ok = isinstance(loc.file, str) and loc.file not in ("", ".", "..") and (
             "/" not in loc.file and "\\" not in loc.file and "\0" not in loc.file
         )
-        if not name_ok or loc.offset < 0 or loc.length < 0 or loc.block <= 0:
+        numbers_ok = all(_is_int(v) for v in (loc.offset, loc.length, loc.block)) and (
+            loc.offset >= 0 and loc.length >= 0 and loc.block > 0
+        )
+        if not name_ok or not numbers_ok:
             raise CheckpointCorruptError(
                 f"{directory}/.metadata: item {index.fqn!r} has an invalid location {loc!r}"
             )
+        checksums = loc.checksums
+        need = max(1, -(-loc.length // loc.block))
+        if (
+            not isinstance(checksums, (tuple, list))
+            or len(checksums) != need
+            or not all(_is_int(c) for c in checksums)
+        ):
+            count = len(checksums) if isinstance(checksums, (tuple, list)) else type(checksums)
+            raise CheckpointCorruptError(
+                f"{directory}/.metadata: item {index.fqn!r} has {count} checksums where its "
+                f"{loc.length} bytes in blocks of {loc.block} need {need}"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # bools are not offsets or lengths

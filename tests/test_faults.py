@@ -1,0 +1,261 @@
+"""Faults during a save: SIGKILL mid-write, a full disk, injected I/O errors."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import (
+    MARKS,
+    assert_state_equal,
+    clone_state,
+    data_files,
+    load_into,
+    raises_in_dcp,
+    rand_tensor,
+    save,
+)
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_datastates.io import get_backend
+
+MiB = 1 << 20
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+pytestmark = MARKS
+
+
+def _state(seed: int, nbytes: int = 2 * MiB) -> dict:
+    return {
+        "big": rand_tensor((nbytes,), torch.uint8, seed=seed),
+        "w": rand_tensor((64, 100), torch.float32, seed=seed + 1),
+        "step": seed,
+    }
+
+
+def _pools_empty(writer) -> None:
+    cache = writer.engine.cache
+    assert cache.snapshots.used == 0, f"snapshot pool still holds {cache.snapshots.used} bytes"
+    assert cache.bounce.used == 0, f"bounce pool still holds {cache.bounce.used} bytes"
+
+
+# -- SIGKILL in the middle of a save -------------------------------------------------------------
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import torch, torch.distributed.checkpoint as dcp
+    from conftest import rand_tensor
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.io import get_backend
+
+    backend = get_backend("threads")
+    real = backend.write
+
+    def slow_write(fd, path, reqs):
+        print("WRITING", flush=True)
+        time.sleep(0.5)  # the parent kills us during one of these
+        return real(fd, path, reqs)
+
+    backend.write = slow_write
+    state = {{"big": rand_tensor((8 << 20,), torch.uint8, seed=77), "step": 77}}
+    writer = DataStatesWriter(sys.argv[1], host_cache_size="4MiB", io_backend="threads",
+                              io_workers=2, overwrite=True)
+    dcp.save(state, checkpoint_id=sys.argv[1], storage_writer=writer, no_dist=True)
+    print("FINISHED", flush=True)
+    """
+)
+
+
+def _kill_mid_save(directory: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD.format(tests=str(TESTS)), str(directory)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+    )
+    try:
+        line = child.stdout.readline()  # blocks until the first data write starts
+        assert line.startswith("WRITING"), (line, child.stderr.read() if child.poll() else "")
+        assert any(directory.glob("*.safetensors")), "a partial data file should exist by now"
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+        child.stderr.close()
+
+
+def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path: Path, make_writer) -> None:
+    directory = tmp_path / "ckpt"
+    a = _state(seed=1)
+    expected_a = clone_state(a)
+    save(a, directory, make_writer())
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+
+    _kill_mid_save(directory)
+
+    # A's files are untouched; B left (at most) a partial data file that .metadata ignores.
+    after = {p.name: p.read_bytes() for p in directory.iterdir()}
+    assert {k: after[k] for k in before} == before
+    leftovers = set(after) - set(before)
+    assert all(re.fullmatch(r"__0_[0-9a-f]+\.safetensors", n) for n in leftovers), leftovers
+    assert_state_equal(load_into(expected_a, directory), expected_a)
+
+    # The next successful save into the directory sweeps the partial file away.
+    c = _state(seed=3)
+    expected_c = clone_state(c)
+    save(c, directory, make_writer(overwrite=True))
+    assert len(data_files(directory)) == 1
+    assert_state_equal(load_into(expected_c, directory), expected_c)
+
+
+def test_sigkill_mid_save_into_fresh_directory_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "fresh"
+    _kill_mid_save(directory)
+    assert data_files(directory), "the killed save should have started a data file"
+    assert not (directory / ".metadata").exists()
+    with raises_in_dcp(
+        FileNotFoundError,
+        rf"{re.escape(str(directory))} is not a checkpoint: \.metadata is missing",
+    ):
+        load_into({"big": torch.zeros(8 << 20, dtype=torch.uint8), "step": 0}, directory)
+
+
+# -- a full disk ---------------------------------------------------------------------------------
+@pytest.fixture
+def tiny_tmpfs():
+    """A 2 MiB tmpfs (root only; skipped where mounting is not permitted)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = Path(tempfile.mkdtemp(prefix="dcp_enospc_"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        mnt.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        mnt.rmdir()
+
+
+def _assert_enospc(err: BaseException, directory: Path) -> None:
+    if isinstance(err, CheckpointException):
+        (err,) = [exc for exc, _ in err.failures.values()]
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC, repr(err)
+    assert re.search(rf"{re.escape(str(directory))}/__0_[0-9a-f]+\.safetensors", str(err)), err
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_enospc_on_a_full_file_system(
+    tiny_tmpfs: Path, tmp_path: Path, make_writer, mode: str
+) -> None:
+    writer = make_writer(host_cache_size="8MiB")
+    state = _state(seed=5, nbytes=3 * MiB)  # more than the 2 MiB file system
+    expected = clone_state(state)
+    directory = tiny_tmpfs / "ckpt"
+    with pytest.raises((OSError, CheckpointException)) as info:
+        if mode == "sync":
+            save(state, directory, writer)
+        else:
+            dcp.async_save(state, checkpoint_id=directory, storage_writer=writer,
+                           no_dist=True).upload_completion.result(timeout=60)
+    _assert_enospc(info.value, directory)
+    info = None
+    assert not (directory / ".metadata").exists()
+    assert data_files(directory) == [], "the partial data file must be removed"
+    assert os.statvfs(tiny_tmpfs).f_bfree * os.statvfs(tiny_tmpfs).f_frsize > MiB
+    _pools_empty(writer)
+
+    # The same writer saves elsewhere (and on the small file system, a state that fits).
+    save(state, tmp_path / "ok", writer)
+    assert_state_equal(load_into(expected, tmp_path / "ok"), expected)
+    small = _state(seed=6, nbytes=256 << 10)
+    expected_small = clone_state(small)
+    save(small, tiny_tmpfs / "small", writer)
+    assert_state_equal(load_into(expected_small, tiny_tmpfs / "small"), expected_small)
+
+
+# -- injected write errors -----------------------------------------------------------------------
+@pytest.fixture
+def inject(monkeypatch: pytest.MonkeyPatch):
+    """Make backend ``name``'s writes fail with ``code`` after ``ok`` calls; returns disarm."""
+
+    def arm(name: str, code: int, ok: int):
+        backend = get_backend(name)
+        real = backend.write
+        calls = [0]
+
+        def write(fd, path, reqs):
+            calls[0] += 1
+            if calls[0] > ok:
+                raise OSError(code, os.strerror(code), path)
+            return real(fd, path, reqs)
+
+        monkeypatch.setattr(backend, "write", write)
+        return lambda: monkeypatch.setattr(backend, "write", real)
+
+    return arm
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_injected_write_error(
+    tmp_path: Path, make_writer, inject, io_backend: str, code: int, mode: str
+) -> None:
+    writer = make_writer(host_cache_size="8MiB", io_backend=io_backend)
+    state = _state(seed=8)
+    expected = clone_state(state)
+    directory = tmp_path / "ckpt"
+    disarm = inject(io_backend, code, ok=1)
+    with pytest.raises((OSError, CheckpointException)) as info:
+        if mode == "sync":
+            save(state, directory, writer)
+        else:
+            response = dcp.async_save(state, checkpoint_id=directory, storage_writer=writer,
+                                      no_dist=True)
+            response.staging_completion.result(timeout=60)
+            state["big"].add_(1)  # training goes on; the failed save must not matter
+            response.upload_completion.result(timeout=60)
+    disarm()
+    err = info.value
+    if isinstance(err, CheckpointException):
+        (err,) = [exc for exc, _ in err.failures.values()]
+    assert isinstance(err, OSError) and err.errno == code, repr(err)
+    assert re.search(rf"{re.escape(str(directory))}/__0_[0-9a-f]+\.safetensors", str(err)), err
+    err = info = None
+    assert not (directory / ".metadata").exists()
+    assert data_files(directory) == []
+    deadline = time.monotonic() + 5  # an async snapshot is freed when its last user drops it
+    while writer.engine.cache.snapshots.used and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    _pools_empty(writer)
+
+    # The next save with the same writer succeeds, into the same directory.
+    state = _state(seed=9)
+    expected = clone_state(state)
+    if mode == "sync":
+        save(state, directory, writer)
+    else:
+        dcp.async_save(state, checkpoint_id=directory, storage_writer=writer,
+                       no_dist=True).upload_completion.result(timeout=60)
+    assert writer.last_stats().overflow_bytes == 0
+    assert_state_equal(load_into(expected, directory), expected)
