@@ -6,6 +6,7 @@ Without cuda-python or a GPU, ``available()`` is False and nothing here is used.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import weakref
 from collections import defaultdict
@@ -24,6 +25,8 @@ except ImportError:  # no cuda-python: the CPU paths are used
 log = logging.getLogger("dcp_datastates")
 _announced = False
 _batch_ok = True  # until the runtime refuses cudaMemcpyBatchAsync once
+_unpin_queue: queue.SimpleQueue | None = None
+_unpin_lock = threading.Lock()
 
 
 def available() -> bool:
@@ -49,12 +52,32 @@ def _check(result: tuple, what: str) -> tuple:
 def pin(cache: HostCache) -> weakref.finalize:
     """Page-lock the cache for fast asynchronous copies (costs about 0.5 s per GiB).
 
-    Returns the unpin call: run it to unpin early; it also runs when the cache is collected,
-    before its memory is unmapped (so a later mapping at the same address can be pinned).
+    Returns the unpin call: run it to unpin early; it also runs when the cache is collected.
+    Either way a worker thread unregisters the memory (no CUDA call runs inside garbage
+    collection) and keeps it mapped until then, so a later mapping at the same address can be
+    pinned again.
     """
     _check(cudart.cudaHostRegister(cache.addr, cache.nbytes, cudart.cudaHostRegisterPortable),
            "cudaHostRegister")
-    return weakref.finalize(cache, cudart.cudaHostUnregister, cache.addr)
+    return weakref.finalize(cache, _unpins().put, (cache.storage, cache.addr))
+
+
+def _unpins() -> queue.SimpleQueue:
+    """The queue of (storage, address) to unregister, served by one daemon thread."""
+    global _unpin_queue
+    with _unpin_lock:
+        if _unpin_queue is None:
+            _unpin_queue = queue.SimpleQueue()
+            threading.Thread(target=_serve_unpins, args=(_unpin_queue,), name="dcp_unpin",
+                             daemon=True).start()
+        return _unpin_queue
+
+
+def _serve_unpins(jobs: queue.SimpleQueue) -> None:
+    while True:
+        storage, addr = jobs.get()
+        cudart.cudaHostUnregister(addr)
+        del storage  # only now may the memory be unmapped
 
 
 class SideStreams:

@@ -37,8 +37,9 @@ class DataStatesReader(StorageReader):
         verify_checksums: check every byte read against the checksums in ``.metadata``.
         io_workers: items read at once.
         host_cache_size: pinned host memory (bytes or ``"1GiB"``) that GPU restores read into
-            before their host-to-device copies; on GPU hosts it is pinned in the background as
-            the reader is made.
+            before their host-to-device copies. One such cache serves every reader of the
+            process (the largest size asked for); on GPU hosts it is pinned in the background
+            when the first reader is made.
         direct_io: read GPU restores with O_DIRECT (straight from the disk into pinned memory,
             many requests in flight) where the file system allows it.
     """
@@ -56,9 +57,7 @@ class DataStatesReader(StorageReader):
         super().__init__()
         self.host_cache_size = parse_size(host_cache_size, name="host_cache_size")
         self.direct_io = direct_io
-        self._gpu: tuple[HostCache, SideStreams] | None = None
-        self._gpu_lock = threading.Lock()
-        if cuda_copy.available():
+        if cuda_copy.available() and _restore is None:
             threading.Thread(target=self._gpu_path, name="dcp_read_init", daemon=True).start()
         self.path = Path(path) if path is not None else None
         self.io_backend = io_backend
@@ -230,15 +229,8 @@ class DataStatesReader(StorageReader):
 
 
     def _gpu_path(self) -> tuple[HostCache, SideStreams] | None:
-        """The pinned cache and side streams for GPU restores, made at the first one."""
-        if not cuda_copy.available():
-            return None
-        with self._gpu_lock:
-            if self._gpu is None:
-                cache = HostCache(self.host_cache_size, bounce_only=True)
-                self._unpin = cuda_copy.pin(cache)
-                self._gpu = (cache, SideStreams())
-            return self._gpu
+        """The process's pinned restore cache and side streams (None without CUDA)."""
+        return _restore_path(self.host_cache_size)
 
     def _read_to_gpu(self, backend: IOBackend, f: _File, loc: ItemLocation, a: int, b: int,
                      req: ReadItem, target: torch.Tensor) -> None:
@@ -288,12 +280,22 @@ class DataStatesReader(StorageReader):
         except OSError as exc:
             raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
 
-    def close(self) -> None:
-        """Unpin and free the GPU restore cache (if one was made)."""
-        with self._gpu_lock:
-            if self._gpu is not None:
-                self._unpin()
-                self._gpu = None
+
+_restore: tuple[HostCache, SideStreams] | None = None
+_restore_lock = threading.Lock()
+
+
+def _restore_path(nbytes: int) -> tuple[HostCache, SideStreams] | None:
+    """The pinned restore cache (at least ``nbytes``) shared by the process's readers."""
+    global _restore
+    if not cuda_copy.available():
+        return None
+    with _restore_lock:
+        if _restore is None or _restore[0].nbytes < nbytes:
+            cache = HostCache(nbytes, bounce_only=True)
+            cuda_copy.pin(cache)  # unpinned when a larger one replaces it, or at exit
+            _restore = (cache, _restore[1] if _restore else SideStreams())
+        return _restore
 
 
 @dataclass

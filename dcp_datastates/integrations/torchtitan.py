@@ -211,8 +211,6 @@ def _close(self: Any) -> None:
     finally:
         hooks.close()
         hooks.writer.close()
-        if hooks.reader is not None:
-            hooks.reader.close()
 
 
 try:
