@@ -7,6 +7,7 @@ import math
 import os
 import stat
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .host_cache import HostCache, Region, round_up
 from .io import ALIGN, IOBackend, IOReq, get_backend
 from .metadata_file import ItemLocation, read_metadata
 from .sizes import parse_size
+from .stats import LoadStats
 
 
 class DataStatesReader(StorageReader):
@@ -66,6 +68,7 @@ class DataStatesReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.metadata: Metadata | None = None
         self._metadata: Metadata | None = None  # read by reset(), handed out once
+        self._stats: LoadStats | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Point at ``checkpoint_id`` and read its ``.metadata`` now.
@@ -105,6 +108,8 @@ class DataStatesReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         backend = get_backend(self.io_backend)
+        stats = LoadStats(backend.name, verified=self.verify_checksums)
+        start = time.perf_counter()
         files = _OpenFiles(self._checkpoint_dir(), self.direct_io)
         try:
             with ThreadPoolExecutor(self.io_workers, "dcp_datastates-read") as pool:
@@ -122,14 +127,23 @@ class DataStatesReader(StorageReader):
                 for req, target, job in jobs:
                     data = job.result()
                     if target is None:
+                        stats.bytes_read += len(data)
                         planner.load_bytes(req, io.BytesIO(data))
                     else:
+                        stats.bytes_read += target.numel() * target.element_size()
                         planner.commit_tensor(req, target)
         finally:
             files.close()
+        stats.seconds = time.perf_counter() - start
+        self._stats = stats
+        stats.log()
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
+
+    def last_stats(self) -> LoadStats | None:
+        """Figures of the latest load on this rank (bytes, seconds, GiB/s, backend)."""
+        return self._stats
 
     @property
     def checkpoint_id(self) -> Path | None:

@@ -1,4 +1,4 @@
-"""Per-save figures: what was written, how long each phase took, through which backend."""
+"""Per-save and per-load figures: bytes, how long each phase took, through which backend."""
 
 from __future__ import annotations
 
@@ -49,3 +49,24 @@ class SaveStats:
 
 def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.3f}"
+
+
+@dataclass
+class LoadStats:
+    """One rank's figures for one load: bytes delivered to the state dict, and seconds."""
+
+    backend: str
+    bytes_read: int = 0
+    seconds: float = 0.0
+    verified: bool = True
+
+    @property
+    def gib_s(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 2**30
+
+    def log(self) -> None:
+        log.info(
+            "dcp_datastates load: %s read in %.3f s (%.2f GiB/s), checksums %s; backend=%s",
+            format_size(self.bytes_read), self.seconds, self.gib_s,
+            "verified" if self.verified else "not checked", self.backend,
+        )
