@@ -183,10 +183,14 @@ def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, 
             not isinstance(offsets, list)
             or len(offsets) != 2
             or not all(type(o) is int for o in offsets)  # bools are not offsets
-            or not 0 <= offsets[0] <= offsets[1] <= file_size - data_start
+            or not 0 <= offsets[0] <= offsets[1]
         ):
             raise CheckpointCorruptError(
-                f"{path}: entry {name!r} has data offsets {offsets!r} outside the "
-                f"{file_size - data_start} data bytes"
+                f"{path}: entry {name!r} has data offsets {offsets!r}, not [begin, end]"
+            )
+        if offsets[1] > file_size - data_start:
+            raise CheckpointCorruptError(
+                f"{path} is truncated: item {name!r} needs bytes {data_start + offsets[0]}.."
+                f"{data_start + offsets[1]}, the file has {file_size}"
             )
     return data_start, header

@@ -150,10 +150,6 @@ class HostCache:
         self.snapshots = Pool(self, 0, nbytes - bounce, "snapshot")
         self.bounce = Pool(self, nbytes - bounce, bounce, "bounce")
 
-    def contains(self, addr: int, nbytes: int) -> bool:
-        """Whether ``[addr, addr + nbytes)`` lies inside the cache."""
-        return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
-
 
 def check_cache_size(nbytes: int) -> None:
     """Raise ValueError unless ``nbytes`` is a usable host cache size."""

@@ -6,6 +6,7 @@ import io
 import math
 import os
 import stat
+import struct
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from . import cuda_copy
 from .checksums import memory_at, verify_span
 from .cuda_copy import SideStreams
 from .errors import CheckpointCorruptError
+from .file_format import read_header
 from .file_writer import memory_backed
 from .host_cache import HostCache, Region, round_up
 from .io import ALIGN, IOBackend, IOReq, get_backend
@@ -295,6 +297,9 @@ class DataStatesReader(StorageReader):
             raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
 
 
+#: Bytes read at first to check a data file's header (most headers are much shorter).
+HEAD_BYTES = 64 << 10
+
 _restore: tuple[HostCache, SideStreams] | None = None
 _restore_lock = threading.Lock()
 
@@ -353,6 +358,7 @@ class _OpenFiles:
                     f"(item {req.storage_index.fqn!r} lives there)"
                 )
             os.set_blocking(fd, True)  # io_uring would answer EAGAIN on an O_NONBLOCK file
+            self._check_header(fd, st.st_size, loc, req)
             direct_fd = None
             if self.direct and not memory_backed(self.directory):
                 try:
@@ -368,6 +374,25 @@ class _OpenFiles:
                 f"the file has {file.size}"
             )
         return file
+
+    def _check_header(self, fd: int, size: int, loc: ItemLocation, req: ReadItem) -> None:
+        """Refuse a data file whose safetensors header is malformed, or shorter than ``loc``."""
+        what = f"checkpoint {self.directory}: data file {loc.file}"
+        head = os.pread(fd, HEAD_BYTES, 0)
+        try:
+            try:
+                data_start, _ = read_header(head, what, size)
+            except CheckpointCorruptError:
+                if len(head) < HEAD_BYTES:
+                    raise
+                (n,) = struct.unpack("<Q", head[:8])  # a long header: read all of it once
+                data_start, _ = read_header(os.pread(fd, 8 + min(n, size), 0), what, size)
+        except CheckpointCorruptError:
+            os.close(fd)
+            raise
+        if loc.offset < data_start:
+            os.close(fd)
+            raise CheckpointCorruptError(f"{what}: offset {loc.offset} lies inside the header")
 
     def close(self) -> None:
         for file in self._files.values():

@@ -49,10 +49,6 @@ class Snapshot:
     def held(self) -> int:
         return sum(r.capacity for r in self.regions if not r.released)
 
-    def release(self) -> None:
-        for region in self.regions:
-            region.release()
-
 
 class Stager:
     """Stages state dicts into a pool of the host cache on one background thread.

@@ -49,9 +49,6 @@ def test_cache_is_page_aligned_and_split_in_two_pools(cache: HostCache) -> None:
     assert cache.snapshots.capacity + cache.bounce.capacity == cache.nbytes
     assert 0 < cache.bounce.capacity < cache.snapshots.capacity
     assert cache.bounce.capacity % PAGE == 0 and cache.snapshots.capacity % PAGE == 0
-    assert cache.contains(cache.addr, cache.nbytes)
-    assert not cache.contains(cache.addr - 1, 2)
-    assert not cache.contains(cache.addr + cache.nbytes - 1, 2)
 
 
 @pytest.mark.parametrize("size", [0, 1, 100, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17])
@@ -229,7 +226,8 @@ def test_read_header_rejects_length_past_the_file() -> None:
 def test_read_header_rejects_offsets_past_the_end() -> None:
     content = _file({"a": {"dtype": "U8", "shape": [17], "data_offsets": [0, 17]}}, data_len=16)
     with pytest.raises(
-        CheckpointCorruptError, match=rf"{PATH}: entry 'a' has data offsets \[0, 17\] outside"
+        CheckpointCorruptError,
+        match=rf"{PATH} is truncated: item 'a' needs bytes 70\.\.87, the file has 86",
     ):
         read_header(content, PATH, len(content))
 
