@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import dd, drop_cache
+from common import dd, drop_cache, fstype
 from plot import plot
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
@@ -95,16 +95,6 @@ def verify(src: dict, dst: dict, what: str) -> None:
 
 
 # -- system helpers ------------------------------------------------------------------------------
-def fstype(path: Path) -> str:
-    best, typ = Path("/"), "?"
-    for line in Path("/proc/mounts").read_text().splitlines():
-        _, mnt, fs = line.split()[:3]
-        m = Path(mnt)
-        if (m == path or m in path.parents) and len(m.parts) >= len(best.parts):
-            best, typ = m, fs
-    return typ
-
-
 def mem_available() -> int:
     text = Path("/proc/meminfo").read_text()
     return int(re.search(r"MemAvailable:\s+(\d+)", text).group(1)) * 1024
