@@ -36,8 +36,8 @@ test: native lint
 	$(MAKE) --no-print-directory test-mpi
 
 test-mpi: native
-	$(MPIRUN) -n 2 $(PYTHON) -m pytest -q -p no:cacheprovider --with-mpi $(MPI_TESTS)
-	$(MPIRUN) -n 4 $(PYTHON) -m pytest -q -p no:cacheprovider --with-mpi $(MPI_TESTS)
+	$(MPIRUN) -n 2 $(PYTHON) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
+	$(MPIRUN) -n 4 $(PYTHON) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
 
 lint: setup
 	$(PYTHON) -m ruff check .
