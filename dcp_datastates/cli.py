@@ -53,10 +53,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 # -- inspect ------------------------------------------------------------------------------------
 def _inspect_data(path: Path) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-able data."""
@@ -297,7 +293,7 @@ def _assemble(path: Path, md: TensorStorageMetadata, stored: list[_Chunk],
                 f"{path}: .metadata has no location for chunk {list(chunk.offsets)} of "
                 f"{stored[0].fqn if stored else '?'}")
         sizes = tuple(chunk.sizes)
-        if math.prod(sizes) * _itemsize(dtype) != c.loc.length:
+        if math.prod(sizes) * dtype.itemsize != c.loc.length:
             raise CheckpointCorruptError(f"{path}: {_where(c)}: {c.loc.length} bytes stored for "
                                          f"a {dtype} chunk of shape {list(sizes)}")
         data = _read_chunk(path, c, fds, verify).view(dtype).view(sizes)
@@ -352,7 +348,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not selected:
         print(f"error: {path}: no tensors to export", file=sys.stderr)
         return 1
-    nbytes = {name: math.prod(smd.size) * _itemsize(smd.properties.dtype)
+    nbytes = {name: math.prod(smd.size) * smd.properties.dtype.itemsize
               for name, (_, smd) in selected.items()}
     shards = _plan_shards(nbytes, max_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else

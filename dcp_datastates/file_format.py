@@ -98,8 +98,9 @@ def plan_layout(items: list[ItemSpec]) -> FileLayout:
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"two items would share the file entry name(s) {dup}")
     large = [i for i in items if i.nbytes >= LARGE_ITEM_BYTES]
-    small = sorted(
-        (i for i in items if i.nbytes < LARGE_ITEM_BYTES), key=lambda i: -_itemsize(i.dtype)
+    small = sorted(  # by element size, largest first: each stays naturally aligned
+        (i for i in items if i.nbytes < LARGE_ITEM_BYTES),
+        key=lambda i: -(i.dtype.itemsize if i.dtype else 1),
     )
     placements: list[Placement] = []
     cursor = 0
@@ -114,10 +115,6 @@ def plan_layout(items: list[ItemSpec]) -> FileLayout:
         placements.append(Placement(item, cursor, item.nbytes))
         cursor += item.nbytes
     return FileLayout(_header_bytes(placements), placements)
-
-
-def _itemsize(dtype: torch.dtype | None) -> int:
-    return 1 if dtype is None else torch.empty((), dtype=dtype).element_size()
 
 
 def _header_bytes(placements: list[Placement]) -> bytes:

@@ -216,7 +216,7 @@ class DataStatesReader(StorageReader):
             raise CheckpointCorruptError(f"{self._describe(loc, req)}: not a tensor in .metadata")
         shape = _chunk_shape(md, req, self._describe(loc, req))
         dtype = md.properties.dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if math.prod(shape) * itemsize != loc.length:
             raise CheckpointCorruptError(
                 f"{self._describe(loc, req)}: {loc.length} bytes stored for a {dtype} chunk of "
