@@ -4,6 +4,7 @@ Lazy host snapshots into a reusable host cache, flushed to safetensors files thr
 (or a thread pool where io_uring cannot be used), and restored on the same path backwards.
 """
 
+from .engine import Engine, default_engine
 from .errors import CheckpointCorruptError, CheckpointError
 from .guard import guard
 from .reader import DataStatesReader
@@ -15,6 +16,8 @@ __all__ = [
     "CheckpointError",
     "DataStatesReader",
     "DataStatesWriter",
+    "Engine",
+    "default_engine",
     "guard",
     "parse_size",
 ]

@@ -1,21 +1,17 @@
 """GPU <-> host copies on side CUDA streams, made with cuda-python (``cuda.bindings.runtime``).
 
-Without cuda-python or a GPU, ``available()`` is False and nothing here is used.
+:class:`CudaCopier` is owned by the engine: its streams, and the pinning of the engine's arenas,
+live as long as the engine. Without cuda-python or a GPU, :func:`available` is False and
+nothing here is used.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import weakref
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .host_cache import HostCache
 
 try:
     from cuda.bindings import runtime as cudart
@@ -23,22 +19,22 @@ except ImportError:  # no cuda-python: the CPU paths are used
     cudart = None
 
 log = logging.getLogger("dcp_datastates")
-_announced = False
-_batch_ok = True  # until the runtime refuses cudaMemcpyBatchAsync once
-_unpin_queue: queue.SimpleQueue | None = None
-_unpin_lock = threading.Lock()
+
+#: One copy: (device, destination address, source address, bytes).
+Copy = tuple[int, int, int, int]
 
 
 def available() -> bool:
-    """Whether GPU tensors can be copied through cuda-python here (logged once)."""
-    global _announced
-    ok = cudart is not None and torch.cuda.is_available()
-    if not _announced and torch.cuda.is_available():
-        _announced = True
-        if cudart is None:
-            log.warning("dcp_datastates: cuda-python is not installed; GPU tensors are copied "
-                        "with torch (synchronously). pip install cuda-python")
-    return ok
+    """Whether GPU tensors can be copied through cuda-python here."""
+    return cudart is not None and torch.cuda.is_available()
+
+
+def why_unavailable() -> str | None:
+    """Why a GPU host copies with torch instead (None where cuda-python is used or no GPU)."""
+    if torch.cuda.is_available() and cudart is None:
+        return ("cuda-python is not installed; GPU tensors are copied with torch "
+                "(synchronously). pip install cuda-python")
+    return None
 
 
 def _check(result: tuple, what: str) -> tuple:
@@ -49,43 +45,24 @@ def _check(result: tuple, what: str) -> tuple:
     return tuple(rest)
 
 
-def pin(cache: HostCache) -> weakref.finalize:
-    """Page-lock the cache for fast asynchronous copies (costs about 0.5 s per GiB).
-
-    Returns the unpin call: run it to unpin early; it also runs when the cache is collected.
-    Either way a worker thread unregisters the memory (no CUDA call runs inside garbage
-    collection) and keeps it mapped until then, so a later mapping at the same address can be
-    pinned again.
-    """
-    _check(cudart.cudaHostRegister(cache.addr, cache.nbytes, cudart.cudaHostRegisterPortable),
-           "cudaHostRegister")
-    return weakref.finalize(cache, _unpins().put, (cache.storage, cache.addr))
-
-
-def _unpins() -> queue.SimpleQueue:
-    """The queue of (storage, address) to unregister, served by one daemon thread."""
-    global _unpin_queue
-    with _unpin_lock:
-        if _unpin_queue is None:
-            _unpin_queue = queue.SimpleQueue()
-            threading.Thread(target=_serve_unpins, args=(_unpin_queue,), name="dcp_unpin",
-                             daemon=True).start()
-        return _unpin_queue
-
-
-def _serve_unpins(jobs: queue.SimpleQueue) -> None:
-    while True:
-        storage, addr = jobs.get()
-        cudart.cudaHostUnregister(addr)
-        del storage  # only now may the memory be unmapped
-
-
-class SideStreams:
-    """One non-blocking CUDA stream per device, and copies issued on them."""
+class CudaCopier:
+    """One non-blocking CUDA stream per device, copies issued on them, and host pinning."""
 
     def __init__(self) -> None:
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
+        self._batch_ok = True  # until the runtime refuses cudaMemcpyBatchAsync once
+
+    @staticmethod
+    def pin(addr: int, nbytes: int) -> None:
+        """Page-lock host memory for fast asynchronous copies (about 0.5 s per GiB)."""
+        _check(cudart.cudaHostRegister(addr, nbytes, cudart.cudaHostRegisterPortable),
+               "cudaHostRegister")
+
+    @staticmethod
+    def unpin(addr: int) -> None:
+        """Undo :meth:`pin`; call before the memory is unmapped."""
+        _check(cudart.cudaHostUnregister(addr), "cudaHostUnregister")
 
     def stream(self, device: int) -> object:
         with self._lock:
@@ -96,28 +73,12 @@ class SideStreams:
                 self._streams[device] = stream
             return self._streams[device]
 
-    def _copy_batch(self, copies: list[tuple[int, int, int]], stream: object) -> bool:
-        """Issue ``copies`` in one ``cudaMemcpyBatchAsync`` call; False where it is missing."""
-        global _batch_ok
-        if not _batch_ok:
-            return False
-        dsts, srcs, sizes = (list(col) for col in zip(*copies, strict=True))
-        attrs = cudart.cudaMemcpyAttributes()
-        attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-        try:
-            err, *_ = cudart.cudaMemcpyBatchAsync(
-                dsts, srcs, sizes, len(copies), [attrs], [0], 1, stream)
-        except (AttributeError, TypeError) as exc:  # cuda-python or runtime without the batch API
-            err, reason = None, exc
-        else:
-            reason = err
-        if err == cudart.cudaError_t.cudaSuccess:
-            return True
-        _batch_ok = False
-        log.info("dcp_datastates: cudaMemcpyBatchAsync unavailable (%s); copying one by one",
-                 reason)
-        cudart.cudaGetLastError()  # clear a sticky-free error before the fallback
-        return False
+    def close(self) -> None:
+        """Destroy the streams (no copy may be in flight)."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            cudart.cudaStreamDestroy(stream)
 
     def record_current(self, devices: set[int]) -> dict[int, object]:
         """On the calling thread: an event on each device's current torch stream."""
@@ -131,31 +92,61 @@ class SideStreams:
             events[device] = event
         return events
 
-    def copy(self, pairs: list[tuple[int, int, int, int]], kind: str,
-             after: dict[int, object] | None = None) -> None:
-        """Copy ``(device, dst, src, nbytes)`` pairs on the side streams; wait for them.
+    @staticmethod
+    def destroy_events(events: dict[int, object]) -> None:
+        for event in events.values():
+            cudart.cudaEventDestroy(event)
 
-        ``kind`` is ``"d2h"`` or ``"h2d"``; ``after`` holds events the copies must wait for.
+    def copy(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None) -> None:
+        """Run ``copies`` on the side streams and wait for them.
+
+        ``kind`` is ``"d2h"`` or ``"h2d"``; ``after`` holds events the copies must wait for
+        (the caller destroys them).
         """
         direction = (cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost if kind == "d2h"
                      else cudart.cudaMemcpyKind.cudaMemcpyHostToDevice)
         by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-        for device, dst, src, nbytes in pairs:
+        for device, dst, src, nbytes in copies:
             by_device[device].append((dst, src, nbytes))
         done = []
-        for device, copies in by_device.items():
-            stream = self.stream(device)
-            _check(cudart.cudaSetDevice(device), "cudaSetDevice")
-            if after and device in after:
-                _check(cudart.cudaStreamWaitEvent(stream, after[device], 0), "cudaStreamWaitEvent")
-            if len(copies) == 1 or not self._copy_batch(copies, stream):
-                for dst, src, nbytes in copies:
-                    _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
-                           "cudaMemcpyAsync")
-            (event,) = _check(cudart.cudaEventCreateWithFlags(
-                cudart.cudaEventDisableTiming), "cudaEventCreateWithFlags")
-            _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
-            done.append(event)
-        for event in done + list((after or {}).values()):
-            _check(cudart.cudaEventSynchronize(event), "cudaEventSynchronize")
-            _check(cudart.cudaEventDestroy(event), "cudaEventDestroy")
+        try:
+            for device, batch in by_device.items():
+                stream = self.stream(device)
+                _check(cudart.cudaSetDevice(device), "cudaSetDevice")
+                if after and device in after:
+                    _check(cudart.cudaStreamWaitEvent(stream, after[device], 0),
+                           "cudaStreamWaitEvent")
+                if len(batch) == 1 or not self._copy_batch(batch, stream):
+                    for dst, src, nbytes in batch:
+                        _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
+                               "cudaMemcpyAsync")
+                (event,) = _check(cudart.cudaEventCreateWithFlags(
+                    cudart.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+                done.append(event)
+                _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
+        finally:  # never return while a copy that was issued may still run
+            for event in done:
+                cudart.cudaEventSynchronize(event)
+                cudart.cudaEventDestroy(event)
+
+    def _copy_batch(self, copies: list[tuple[int, int, int]], stream: object) -> bool:
+        """Issue ``copies`` in one ``cudaMemcpyBatchAsync`` call; False where it is missing."""
+        if not self._batch_ok:
+            return False
+        dsts, srcs, sizes = (list(col) for col in zip(*copies, strict=True))
+        attrs = cudart.cudaMemcpyAttributes()
+        attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        try:
+            err, *_ = cudart.cudaMemcpyBatchAsync(
+                dsts, srcs, sizes, len(copies), [attrs], [0], 1, stream)
+        except (AttributeError, TypeError) as exc:  # cuda-python or runtime without the batch API
+            err, reason = None, exc
+        else:
+            reason = err
+        if err == cudart.cudaError_t.cudaSuccess:
+            return True
+        self._batch_ok = False
+        log.info("dcp_datastates: cudaMemcpyBatchAsync unavailable (%s); copying one by one",
+                 reason)
+        cudart.cudaGetLastError()  # clear a sticky-free error before the fallback
+        return False

@@ -1,9 +1,10 @@
 """The data file: a valid safetensors file whose large tensors start on 4 KiB boundaries.
 
 Layout: an 8-byte little-endian header length, a JSON header padded with spaces so the data
-starts 4 KiB aligned, then the data. Large items come first, each starting 4 KiB aligned (a
-zero-filled ``U8`` padding entry fills any gap, since safetensors forbids holes); small items
-follow, packed by element size so each stays naturally aligned. Items safetensors has no dtype
+starts 4 KiB aligned, then the data. Large tensors come first, each starting 4 KiB aligned (a
+zero-filled ``U8`` padding entry fills any gap, since safetensors forbids holes); small tensors
+follow, packed by element size so each stays naturally aligned; bytes items come last, so their
+sizes (known only once they are serialized) move no tensor. Items safetensors has no dtype
 for (DCP bytes items, complex128, ...) are stored as ``U8`` byte arrays and listed in the
 header's ``__metadata__`` under ``raw_items``.
 """
@@ -91,16 +92,26 @@ class FileLayout:
         return self.data_start + (self.placements[-1].end if self.placements else 0)
 
 
-def plan_layout(items: list[ItemSpec]) -> FileLayout:
-    """Place ``items`` and build the header that describes them."""
+def plan_layout(items: list[ItemSpec], header_len: int | None = None) -> FileLayout:
+    """Place ``items`` and build the header that describes them.
+
+    ``header_len`` pads the header to that many bytes (a multiple of 4 KiB, at least the
+    header's own length), so a layout with the same tensors keeps the same data start.
+    """
     names = [item.name for item in items]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"two items would share the file entry name(s) {dup}")
-    large = [i for i in items if i.nbytes >= LARGE_ITEM_BYTES]
+    placements = place(items)
+    return FileLayout(_header_bytes(placements, header_len), placements)
+
+
+def place(items: list[ItemSpec]) -> list[Placement]:
+    """Where each item (and each padding entry) sits, relative to the data start."""
+    tensors = [i for i in items if i.dtype is not None]
+    large = [i for i in tensors if i.nbytes >= LARGE_ITEM_BYTES]
     small = sorted(  # by element size, largest first: each stays naturally aligned
-        (i for i in items if i.nbytes < LARGE_ITEM_BYTES),
-        key=lambda i: -(i.dtype.itemsize if i.dtype else 1),
+        (i for i in tensors if i.nbytes < LARGE_ITEM_BYTES), key=lambda i: -i.dtype.itemsize
     )
     placements: list[Placement] = []
     cursor = 0
@@ -114,10 +125,17 @@ def plan_layout(items: list[ItemSpec]) -> FileLayout:
     for item in small:
         placements.append(Placement(item, cursor, item.nbytes))
         cursor += item.nbytes
-    return FileLayout(_header_bytes(placements), placements)
+    raw = [i for i in items if i.dtype is None]
+    if raw and cursor % ALIGN:  # bytes items start on a block of their own: written later
+        placements.append(Placement(None, cursor, -cursor % ALIGN))
+        cursor += placements[-1].nbytes
+    for item in raw:
+        placements.append(Placement(item, cursor, item.nbytes))
+        cursor += item.nbytes
+    return placements
 
 
-def _header_bytes(placements: list[Placement]) -> bytes:
+def _header_bytes(placements: list[Placement], header_len: int | None) -> bytes:
     entries: dict[str, object] = {}
     raw: dict[str, str] = {}
     for k, p in enumerate(placements):
@@ -136,6 +154,10 @@ def _header_bytes(placements: list[Placement]) -> bytes:
         meta["raw_items"] = json.dumps(raw, sort_keys=True)
     body = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % ALIGN)
+    if header_len is not None:
+        if header_len < 8 + len(body) or header_len % ALIGN:
+            raise ValueError(f"a header of {8 + len(body)} bytes cannot fill {header_len}")
+        body += b" " * (header_len - 8 - len(body))
     return struct.pack("<Q", len(body)) + body
 
 

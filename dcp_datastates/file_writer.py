@@ -1,9 +1,11 @@
-"""Writes one data file from pieces of host memory, through an I/O backend, many extents at once.
+"""Writes one data file from pieces of host memory, many large requests in flight.
 
-With O_DIRECT, a piece that owns a whole 4 KiB-aligned cache region (a staged snapshot of a large
-item) goes to the file straight from the cache; every other byte range is gathered into bounce
-buffers of the cache, in extents, and written from there. Without O_DIRECT (tmpfs, or turned
-off), every piece is written straight from where it lies.
+Pieces that lie in one lease at the distances they have in the file (a snapshot is laid out as
+its file) are merged into runs first, so thousands of small tensors leave in a few requests.
+With O_DIRECT, the 4 KiB-aligned body of a run goes to the file straight from memory; every
+other byte (unaligned pieces, run tails, the header) is gathered into bounce buffers, in
+extents, and written from there. Without O_DIRECT (tmpfs, or turned off) every run is written
+from where it lies. Batches written one after the other must not share a 4 KiB block.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import ctypes
 import errno
 import os
 import threading
-from concurrent.futures import Executor, Future
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from .host_cache import Pool, Region, round_up
+from .directory import memory_backed
+from .host_cache import Lease, Pool, round_up
 from .io.base import ALIGN, IOBackend, IOReq
 
 #: Bytes gathered into one bounce buffer, and the size of one write request.
@@ -27,19 +29,35 @@ EXTENT_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class Piece:
-    """``data`` (a flat uint8 CPU tensor) belongs at ``offset`` of the file.
+    """``nbytes`` at memory address ``addr`` belong at ``offset`` of the file.
 
-    ``region`` is set when ``data`` is exactly the start of that cache region, whose tail up to
-    the 4 KiB boundary is zero: then it can be written from the cache directly.
+    ``lease`` is the lease ``addr`` lies in, if any: its bytes between pieces are zero, so
+    neighbouring pieces of one lease can be written as one run.
     """
 
     offset: int
-    data: torch.Tensor
-    region: Region | None = None
+    addr: int
+    nbytes: int
+    lease: Lease | None = None
 
     @property
     def end(self) -> int:
-        return self.offset + self.data.numel()
+        return self.offset + self.nbytes
+
+
+def coalesce(pieces: list[Piece]) -> list[Piece]:
+    """Sort ``pieces`` by file offset and merge neighbours that one lease holds in file order."""
+    runs: list[Piece] = []
+    for p in sorted((p for p in pieces if p.nbytes), key=lambda p: p.offset):
+        last = runs[-1] if runs else None
+        if (
+            last is not None and p.lease is not None and last.lease is p.lease
+            and p.offset >= last.end and p.offset - last.offset == p.addr - last.addr
+        ):
+            runs[-1] = Piece(last.offset, last.addr, p.end - last.offset, p.lease)
+        else:
+            runs.append(p)
+    return runs
 
 
 def open_for_write(path: Path, direct: bool | None) -> tuple[int, bool]:
@@ -47,7 +65,7 @@ def open_for_write(path: Path, direct: bool | None) -> tuple[int, bool]:
 
     It does not help on memory file systems (tmpfs, ramfs): there the page cache is the file.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
     if direct is None and memory_backed(path.parent):
         direct = False
     if direct is not False:
@@ -59,149 +77,142 @@ def open_for_write(path: Path, direct: bool | None) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
-class FileWriter:
-    """Writes data files with a shared executor, backend and bounce pool."""
+class DataFile:
+    """One data file being written: created at once, written in batches, then finished
+    (truncated to size and fsynced) or aborted (removed). Nothing it submitted is still
+    running when either returns."""
 
-    def __init__(self, backend: IOBackend, bounce: Pool, executor: Executor) -> None:
-        self.backend = backend
+    def __init__(self, path: Path, direct: bool | None, io: IOBackend, bounce: Pool,
+                 submit: Callable[..., Future]) -> None:
+        self.path = path
+        self.io = io
         self.bounce = bounce
-        self.executor = executor
+        self.submit = submit
         self.extent = min(EXTENT_BYTES, max(ALIGN, bounce.capacity // 4 // ALIGN * ALIGN))
+        self.fd, self.direct = open_for_write(path, direct)
+        self._cancel = threading.Event()
+        self._futures: list[Future] = []
 
-    def write(self, path: Path, pieces: list[Piece], file_size: int, direct: bool | None) -> bool:
-        """Write ``pieces`` into a new file of ``file_size`` bytes and fsync it.
-
-        Returns whether O_DIRECT was used. On any error the partial file is removed.
-        """
-        pieces = sorted((p for p in pieces if p.data.numel()), key=lambda p: p.offset)
-        fd, is_direct = open_for_write(path, direct)
-        cancel = threading.Event()
-        try:
-            if is_direct:
-                _preallocate(fd, round_up(file_size))
-            jobs = self._direct_jobs(pieces) if is_direct else self._buffered_jobs(pieces)
-            futures = [self.executor.submit(job, fd, str(path), cancel) for job in jobs]
-            _wait_all(futures, cancel)
-            os.ftruncate(fd, file_size)  # O_DIRECT wrote whole blocks; a trailing pad wrote nothing
-            self.backend.fsync(fd, str(path))
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        return is_direct
-
-    def _buffered_jobs(self, pieces: list[Piece]) -> list:
-        batches: list[list[IOReq]] = [[]]
-        size = 0
-        for p in pieces:
-            for start in range(0, p.data.numel(), self.extent):
-                n = min(self.extent, p.data.numel() - start)
-                if size + n > self.extent and batches[-1]:
-                    batches.append([])
-                    size = 0
-                batches[-1].append(IOReq(p.data.data_ptr() + start, n, p.offset + start))
-                size += n
-        keep = [p.data for p in pieces]
-        return [_write_job(reqs, self.backend, keep) for reqs in batches if reqs]
-
-    def _direct_jobs(self, pieces: list[Piece]) -> list:
-        jobs = []
-        spans: list[list[int]] = []
-        gathered: list[Piece] = []
-        for i, p in enumerate(pieces):
-            padded_end = round_up(p.end)
-            next_start = pieces[i + 1].offset if i + 1 < len(pieces) else padded_end
-            if (
-                p.region is not None
-                and p.offset % ALIGN == 0
-                and next_start >= padded_end
-                and p.region.capacity >= padded_end - p.offset
-            ):
-                reqs = [
-                    IOReq(p.region.addr + s, min(self.extent, padded_end - p.offset - s),
-                          p.offset + s)
-                    for s in range(0, padded_end - p.offset, self.extent)
-                ]
-                jobs += [_write_job([r], self.backend, p.data) for r in reqs]
-                continue
-            gathered.append(p)
-            start = p.offset - p.offset % ALIGN
-            if spans and start <= spans[-1][1]:
-                spans[-1][1] = max(spans[-1][1], padded_end)
-            else:
-                spans.append([start, padded_end])
-        for lo, hi in spans:
-            for a in range(lo, hi, self.extent):
-                b = min(a + self.extent, hi)
-                parts = [p for p in gathered if p.offset < b and p.end > a]
-                jobs.append(_gather_job(a, b, parts, self.bounce, self.backend))
-        return jobs
-
-
-def _write_job(reqs: list[IOReq], backend: IOBackend, keep: object):
-    """A job writing ``reqs``; ``keep`` (the memory they point at) lives as long as the job."""
-
-    def job(fd: int, path: str, cancel: threading.Event) -> None:
-        if not cancel.is_set() and keep is not None:
-            backend.write(fd, path, reqs)
-
-    return job
-
-
-def _gather_job(a: int, b: int, parts: list[Piece], bounce: Pool, backend: IOBackend):
-    """A job copying the pieces' bytes in ``[a, b)`` into a bounce buffer, then writing it."""
-
-    def job(fd: int, path: str, cancel: threading.Event) -> None:
-        if cancel.is_set():
+    def preallocate(self, nbytes: int) -> None:
+        """Reserve the file's blocks first: O_DIRECT writes inside the file size stay async."""
+        if not self.direct:
             return
-        region = bounce.allocate(b - a)
         try:
-            buf = region.as_tensor(b - a)
+            os.posix_fallocate(self.fd, 0, round_up(nbytes))
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+
+    def write(self, pieces: list[Piece]) -> None:
+        """Start writing ``pieces`` (returns at once; :meth:`finish` waits)."""
+        runs = coalesce(pieces)
+        if not self.direct:
+            reqs = [IOReq(r.addr + s, min(self.extent, r.nbytes - s), r.offset + s)
+                    for r in runs for s in range(0, r.nbytes, self.extent)]
+            for k in range(0, len(reqs), 64):
+                self._start(self._write, reqs[k : k + 64])
+            return
+        gathered: list[Piece] = []
+        for i, r in enumerate(runs):
+            body = 0
+            if r.offset % ALIGN == 0 and r.addr % ALIGN == 0:
+                next_start = runs[i + 1].offset if i + 1 < len(runs) else None
+                whole = round_up(r.nbytes)
+                lease_room = (r.lease.addr + r.lease.capacity - r.addr) if r.lease else 0
+                fits = next_start is None or next_start >= r.offset + whole
+                body = whole if lease_room >= whole and fits else r.nbytes - r.nbytes % ALIGN
+            for s in range(0, body, self.extent):
+                self._start(self._write, [IOReq(r.addr + s, min(self.extent, body - s),
+                                                r.offset + s)])
+            if body < r.nbytes:
+                gathered.append(Piece(r.offset + body, r.addr + body, r.nbytes - body))
+        for a, b, parts in _extents(gathered, self.extent):
+            self._start(self._gather_write, a, b, parts)
+
+    def finish(self, file_size: int) -> None:
+        """Wait for every write, cut the file to ``file_size``, fsync, close. On error the
+        file is removed and the first error raised."""
+        try:
+            self._wait()
+            os.ftruncate(self.fd, file_size)  # O_DIRECT wrote whole blocks
+            self.io.fsync(self.fd, str(self.path))
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self.fd)
+        self.fd = -1
+
+    def abort(self) -> None:
+        """Stop, wait for what was submitted, close and remove the file (idempotent)."""
+        self._cancel.set()
+        for f in self._futures:
+            f.exception()  # waits; errors are reported by whoever called finish
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.path.unlink(missing_ok=True)
+
+    def _start(self, fn: Callable, *args: object) -> None:
+        self._futures.append(self.submit(self._guarded, fn, *args))
+
+    def _guarded(self, fn: Callable, *args: object) -> None:
+        if not self._cancel.is_set():
+            try:
+                fn(*args)
+            except BaseException:
+                self._cancel.set()
+                raise
+
+    def _write(self, reqs: list[IOReq]) -> None:
+        self.io.write(self.fd, str(self.path), reqs)
+
+    def _gather_write(self, a: int, b: int, parts: list[Piece]) -> None:
+        """Copy the parts' bytes in ``[a, b)`` into a bounce buffer, zero the rest, write it."""
+        lease = self.bounce.allocate(b - a)
+        try:
             cursor = a
             for p in parts:
                 lo, hi = max(p.offset, a), min(p.end, b)
                 if lo > cursor:
-                    buf[cursor - a : lo - a].zero_()
-                buf[lo - a : hi - a].copy_(p.data[lo - p.offset : hi - p.offset])
+                    ctypes.memset(lease.addr + cursor - a, 0, lo - cursor)
+                ctypes.memmove(lease.addr + lo - a, p.addr + lo - p.offset, hi - lo)
                 cursor = hi
             if cursor < b:
-                buf[cursor - a :].zero_()
-            backend.write(fd, path, [IOReq(region.addr, b - a, a)])
+                ctypes.memset(lease.addr + cursor - a, 0, b - cursor)
+            self._write([IOReq(lease.addr, b - a, a)])
         finally:
-            region.release()
+            lease.release()
 
-    return job
-
-
-def _wait_all(futures: list[Future], cancel: threading.Event) -> None:
-    error: BaseException | None = None
-    for f in futures:
-        try:
-            f.result()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest stop
-            cancel.set()
-            error = error or exc
-    if error is not None:
-        raise error
+    def _wait(self) -> None:
+        error: BaseException | None = None
+        for f in self._futures:
+            exc = f.exception()
+            if exc is not None and error is None:
+                error = exc
+        if error is not None:
+            raise error
 
 
-def _preallocate(fd: int, nbytes: int) -> None:
-    """Reserve the file's blocks first: O_DIRECT writes inside the file size stay asynchronous."""
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-
-
-_MEMORY_FS = {0x01021994, 0x858458F6}  # TMPFS_MAGIC, RAMFS_MAGIC
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def memory_backed(directory: Path) -> bool:
-    """Whether ``directory`` lives on a memory file system (statfs ``f_type``)."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field (a long)
-    if _libc.statfs(os.fsencode(directory), buf) != 0:
-        return False
-    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FS
+def _extents(pieces: list[Piece], extent: int) -> list[tuple[int, int, list[Piece]]]:
+    """Block-aligned ``[a, b)`` extents covering ``pieces`` (sorted by offset), each with the
+    pieces that overlap it."""
+    spans: list[list[int]] = []
+    for p in pieces:
+        lo, hi = p.offset - p.offset % ALIGN, round_up(p.end)
+        if spans and lo <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([lo, hi])
+    out: list[tuple[int, int, list[Piece]]] = []
+    k = 0
+    for lo, hi in spans:
+        for a in range(lo, hi, extent):
+            b = min(a + extent, hi)
+            while k < len(pieces) and pieces[k].end <= a:
+                k += 1
+            j, parts = k, []
+            while j < len(pieces) and pieces[j].offset < b:
+                parts.append(pieces[j])
+                j += 1
+            out.append((a, b, parts))
+    return out

@@ -5,15 +5,23 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .engine import Engine, default_engine
 from .writer import DataStatesWriter
 
 
-def guard(optimizer: torch.optim.Optimizer, writer: DataStatesWriter) -> RemovableHandle:
-    """Make ``optimizer.step()`` wait until ``writer``'s latest snapshot has been copied.
+def guard(optimizer: torch.optim.Optimizer,
+          source: DataStatesWriter | Engine | None = None) -> RemovableHandle:
+    """Make ``optimizer.step()`` wait until the snapshots staged so far have been copied.
 
     Forward and backward do not change parameters or optimizer state, so a snapshot started by
     ``dcp.async_save`` can copy them while they run; the step is the first place that changes
-    them. The hook returns at once when no snapshot is pending. Call ``.remove()`` on the
-    returned handle to take the guard off.
+    them. ``source`` is a writer (its latest snapshot), an engine, or None for the process's
+    engine (every snapshot staged through it: right with a fresh writer per save). The hook
+    returns at once when nothing is copying. Call ``.remove()`` on the handle to take it off.
     """
-    return optimizer.register_step_pre_hook(lambda opt, args, kwargs: writer.wait_for_snapshot())
+    if isinstance(source, DataStatesWriter):
+        wait = source.wait_for_snapshot
+    else:
+        engine = source
+        wait = (engine or default_engine()).wait_for_snapshots
+    return optimizer.register_step_pre_hook(lambda opt, args, kwargs: wait())

@@ -1,14 +1,16 @@
-"""The host cache: one page-aligned block of shared memory, made once and carved into regions.
+"""Host memory the engine owns: page-aligned arenas carved into leases.
 
-Every region starts on a 4 KiB boundary and spans a multiple of 4 KiB, so a region serves
-O_DIRECT and io_uring registered-buffer transfers as it is. The block is split in two pools:
-``snapshots`` holds staged copies of state until they are flushed, ``bounce`` holds the short-lived
-buffers the flush and restore paths gather bytes into. Keeping them apart means a flush never
-waits for memory that a waiting snapshot holds, so backpressure cannot deadlock.
+An :class:`Arena` is anonymous memory mapped once (``mmap``, so it is 4 KiB aligned whatever
+torch's allocator or sharing strategy does) and unmapped only by an explicit :meth:`Arena.free`.
+A :class:`Pool` hands out :class:`Lease` ranges of it, first fit, each starting on a 4 KiB
+boundary and spanning a multiple of 4 KiB, so a lease serves O_DIRECT and io_uring fixed-buffer
+transfers as it is. A lease goes back to its pool only through :meth:`Lease.release`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -18,8 +20,12 @@ import torch
 from .io.base import ALIGN
 from .sizes import format_size
 
-#: The bounce pool's share of the cache: enough for a few flush extents in flight.
-MAX_BOUNCE_BYTES = 256 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def round_up(nbytes: int, align: int = ALIGN) -> int:
@@ -28,8 +34,8 @@ def round_up(nbytes: int, align: int = ALIGN) -> int:
 
 
 @dataclass(eq=False)
-class Region:
-    """``nbytes`` of the cache at ``offset``, with ``capacity`` (a multiple of 4 KiB) reserved."""
+class Lease:
+    """``nbytes`` of an arena at ``offset``, with ``capacity`` (a multiple of 4 KiB) reserved."""
 
     pool: Pool
     offset: int
@@ -39,83 +45,74 @@ class Region:
 
     @property
     def addr(self) -> int:
-        return self.pool.cache.addr + self.offset
+        return self.pool.arena.addr + self.offset
 
-    def as_tensor(self, nbytes: int | None = None) -> torch.Tensor:
-        """The region as a flat uint8 tensor (``nbytes`` long, default the requested size)."""
-        n = self.nbytes if nbytes is None else nbytes
-        return self.pool.cache.tensor[self.offset : self.offset + n]
+    def as_tensor(self, nbytes: int | None = None, start: int = 0) -> torch.Tensor:
+        """Bytes ``[start, start + nbytes)`` of the lease as a flat uint8 tensor."""
+        n = self.nbytes - start if nbytes is None else nbytes
+        return self.pool.arena.tensor[self.offset + start : self.offset + start + n]
 
-    def own_storage_tensor(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """A ``dtype``/``shape`` tensor over the region with a storage of its own (offset 0).
-
-        Torch pickles a DTensor whose local tensor sits at a storage offset as a plain tensor
-        (and crashes sharing it), so staged copies get their own storage slice.
-        """
-        storage = self.pool.cache.storage[self.offset : self.offset + self.nbytes]
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-
-    def zero_tail(self) -> None:
-        """Zero the bytes between the requested size and the capacity (no stale memory in files)."""
-        if self.capacity > self.nbytes:
-            self.as_tensor(self.capacity)[self.nbytes :].zero_()
+    def storage(self) -> torch.UntypedStorage:
+        """A storage of the lease's own (offset 0), which torch can pickle and share."""
+        return self.pool.arena.tensor.untyped_storage()[self.offset : self.offset + self.capacity]
 
     def release(self) -> None:
-        """Give the region back to its pool (idempotent)."""
+        """Give the lease back to its pool (idempotent)."""
         self.pool.release(self)
 
 
 class Pool:
-    """First-fit allocator over a slice of the cache, with blocking allocation (backpressure)."""
+    """First-fit allocator over an arena, with blocking allocation (backpressure)."""
 
-    def __init__(self, cache: HostCache, start: int, size: int, name: str) -> None:
-        self.cache = cache
+    def __init__(self, arena: Arena, name: str) -> None:
+        self.arena = arena
         self.name = name
-        self.capacity = size
+        self.capacity = arena.nbytes
         self.used = 0
-        self._free: list[list[int]] = [[start, size]] if size else []
+        self.live = 0
+        self._free: list[list[int]] = [[0, arena.nbytes]]
         self._cond = threading.Condition()
 
-    def try_allocate(self, nbytes: int) -> Region | None:
-        """A region of at least ``nbytes``, or None if no free block is large enough now."""
+    def try_allocate(self, nbytes: int) -> Lease | None:
+        """A lease of at least ``nbytes``, or None if no free block is large enough now."""
         need = round_up(max(nbytes, 1))
         with self._cond:
             for block in self._free:
                 if block[1] >= need:
-                    region = Region(self, block[0], nbytes, need)
+                    lease = Lease(self, block[0], nbytes, need)
                     block[0] += need
                     block[1] -= need
                     if not block[1]:
                         self._free.remove(block)
                     self.used += need
-                    return region
+                    self.live += 1
+                    return lease
         return None
 
-    def allocate(self, nbytes: int) -> Region:
-        """A region of at least ``nbytes``, waiting for releases while the pool is full."""
+    def allocate(self, nbytes: int, timeout: float = 0.1) -> Lease:
+        """A lease of at least ``nbytes``, waiting for releases while the pool is full."""
         if round_up(max(nbytes, 1)) > self.capacity:
             raise ValueError(
                 f"{format_size(nbytes)} does not fit in the {self.name} pool of "
                 f"{format_size(self.capacity)}"
             )
-        while True:
-            region = self.try_allocate(nbytes)
-            if region is not None:
-                return region
-            self.wait_for_release()
+        while (lease := self.try_allocate(nbytes)) is None:
+            self.wait_for_release(timeout)
+        return lease
 
-    def wait_for_release(self, timeout: float | None = None) -> None:
-        """Block until some region is released (or ``timeout`` seconds pass)."""
+    def wait_for_release(self, timeout: float) -> None:
+        """Block until some lease is released, or ``timeout`` seconds pass."""
         with self._cond:
             self._cond.wait(timeout)
 
-    def release(self, region: Region) -> None:
+    def release(self, lease: Lease) -> None:
         with self._cond:
-            if region.released:
+            if lease.released:
                 return
-            region.released = True
-            self.used -= region.capacity
-            self._insert_free(region.offset, region.capacity)
+            lease.released = True
+            self.used -= lease.capacity
+            self.live -= 1
+            self._insert_free(lease.offset, lease.capacity)
             self._cond.notify_all()
 
     def _insert_free(self, offset: int, size: int) -> None:
@@ -130,42 +127,40 @@ class Pool:
             free[i - 1][1] += free.pop(i)[1]
 
 
-class HostCache:
-    """``nbytes`` of page-aligned shared memory, allocated once and reused across checkpoints.
+class Arena:
+    """``nbytes`` of page-aligned anonymous memory with one pool over it.
 
-    The memory is shared (an fd-backed mapping), so staged tensors that point into it cross to
-    DCP's checkpoint process without a copy. ``bounce_only`` gives all of it to the bounce pool
-    (a reader stages nothing).
+    The pages are touched when mapped (``MAP_POPULATE``), off the training path. Whoever made
+    the arena frees it with :meth:`free` once no lease is live, after undoing any pinning or
+    I/O registration of its address range.
     """
 
-    def __init__(self, nbytes: int, *, bounce_only: bool = False) -> None:
-        check_cache_size(nbytes)
-        nbytes = round_up(nbytes)
-        _check_shm_room(nbytes)
-        self.nbytes = nbytes
-        self.storage = torch.UntypedStorage._new_shared(nbytes)
-        self.tensor = torch.empty(0, dtype=torch.uint8).set_(self.storage)
-        self.addr = self.storage.data_ptr()
-        bounce = nbytes if bounce_only else min(MAX_BOUNCE_BYTES, round_up(nbytes // 4))
-        self.snapshots = Pool(self, 0, nbytes - bounce, "snapshot")
-        self.bounce = Pool(self, nbytes - bounce, bounce, "bounce")
+    def __init__(self, nbytes: int, name: str) -> None:
+        if nbytes < ALIGN:
+            raise ValueError(f"an arena needs at least {ALIGN} bytes, got {nbytes}")
+        self.nbytes = round_up(nbytes)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        addr = _libc.mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise MemoryError(
+                f"cannot map {format_size(self.nbytes)} of host memory for the {name} cache: "
+                f"{os.strerror(err)}"
+            )
+        self.addr: int = addr
+        self.tensor = torch.frombuffer((ctypes.c_char * self.nbytes).from_address(addr),
+                                       dtype=torch.uint8)
+        self.pool = Pool(self, name)
+        self.freed = False
 
-
-def check_cache_size(nbytes: int) -> None:
-    """Raise ValueError unless ``nbytes`` is a usable host cache size."""
-    if nbytes < 4 * ALIGN:
-        raise ValueError(f"host_cache_size must be at least 16 KiB, got {nbytes} bytes")
-
-
-def _check_shm_room(nbytes: int) -> None:
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return
-    room = st.f_bavail * st.f_frsize
-    if room < nbytes:
-        raise ValueError(
-            f"host_cache_size {format_size(nbytes)} does not fit in /dev/shm "
-            f"({format_size(room)} free); lower host_cache_size or enlarge /dev/shm "
-            f"(e.g. docker --shm-size)"
-        )
+    def free(self) -> None:
+        """Unmap the memory. Raises RuntimeError while a lease is live."""
+        if self.freed:
+            return
+        if self.pool.live:
+            raise RuntimeError(
+                f"cannot free the {self.pool.name} cache: {self.pool.live} lease(s) still live"
+            )
+        self.freed = True
+        self.tensor = None
+        _libc.munmap(self.addr, self.nbytes)

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .directory import fsync_dir
 from .errors import CheckpointCorruptError
 
 METADATA_NAME = ".metadata"
@@ -52,19 +53,24 @@ _SAFE_GLOBALS = [
 ]
 
 
-def write_metadata(directory: Path, metadata: Metadata) -> None:
-    """Write ``directory/.metadata`` atomically: temp name, fsync, rename, fsync the directory."""
+def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
+    """Write ``directory/.metadata`` atomically: a temp name unique to the save (``token``),
+    fsync, rename, fsync the directory."""
     if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
         metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
     buf = io.BytesIO()
     torch.save(metadata, buf)
     final = directory / METADATA_NAME
-    tmp = directory / f"{METADATA_NAME}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(buf.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    tmp = directory / f"{METADATA_NAME}.tmp.{token}"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(directory)
 
 
@@ -92,12 +98,3 @@ def read_metadata(directory: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
     return metadata
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a directory's entries (new, renamed or removed files) durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

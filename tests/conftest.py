@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates import DataStatesReader, DataStatesWriter
-from dcp_datastates.io import UringUnavailable, get_backend
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
+from dcp_datastates.io import UringUnavailable, make_backend
 
 BACKENDS = ["threads", "uring"]
 
@@ -64,11 +64,12 @@ MARKS = [
 
 
 def require_backend(name: str) -> str:
-    if name == "uring":
-        try:
-            get_backend("uring")
-        except UringUnavailable as e:
-            pytest.skip(f"io_uring unavailable here: {e.reason}")
+    """``name``, after skipping the test where that backend cannot be made here."""
+    try:
+        backend, _ = make_backend(name)
+    except UringUnavailable as e:
+        pytest.skip(f"io_uring unavailable here: {e.reason}")
+    backend.close()
     return name
 
 
@@ -77,35 +78,44 @@ def io_backend(request: pytest.FixtureRequest) -> str:
     return require_backend(request.param)
 
 
-@pytest.fixture
-def make_writer() -> Iterator[Callable[..., DataStatesWriter]]:
-    """Build writers (small host cache by default) and close them all at teardown."""
-    writers: list[DataStatesWriter] = []
+ENGINE_ARGS = ("host_cache_size", "io_backend", "io_workers")
 
-    def make(path: Path | str | None = None, **kw: object) -> DataStatesWriter:
-        kw.setdefault("host_cache_size", "4MiB")
-        kw.setdefault("io_backend", "threads")
-        kw.setdefault("io_workers", 4)
-        w = DataStatesWriter(path, **kw)
-        writers.append(w)
-        return w
+
+def split_engine_args(kw: dict) -> dict:
+    """Take the engine's arguments out of ``kw`` (writers and readers take only an engine)."""
+    return {k: kw.pop(k) for k in ENGINE_ARGS if k in kw}
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Engine]]:
+    """Build engines and close them all at teardown (asserting none still holds memory)."""
+    engines: list[Engine] = []
+
+    def make(**kw: object) -> Engine:
+        engines.append(Engine(**kw))
+        return engines[-1]
 
     yield make
-    join_init_threads()
-    for w in writers:
-        w.close()
+    for e in engines:
+        assert e.live_leases() == 0, "a save kept host cache memory after it ended"
+        e.close()
 
 
-def join_init_threads(timeout: float = 30) -> None:
-    """Wait for the writers' background ``dcp_init`` threads.
+@pytest.fixture
+def make_writer(make_engine) -> Callable[..., DataStatesWriter]:
+    """Build writers on test engines (small host cache, threads backend by default); writers
+    asking for the same engine arguments share one engine, as writers of a run do."""
+    engines: dict[tuple, Engine] = {}
 
-    One that dies with an exception prints its traceback; on Python 3.11 that (it parses source
-    for the carets) must not overlap pytest formatting a report (CPython's ast is not
-    thread-safe there: "AST constructor recursion depth mismatch").
-    """
-    for thread in threading.enumerate():
-        if thread.name == "dcp_init" and thread is not threading.current_thread():
-            thread.join(timeout)
+    def make(path: Path | str | None = None, **kw: object) -> DataStatesWriter:
+        args = {"host_cache_size": "4MiB", "io_backend": "threads", "io_workers": 4,
+                **split_engine_args(kw)}
+        key = tuple(sorted(args.items(), key=lambda kv: kv[0]))
+        if "engine" not in kw:
+            kw["engine"] = engines.get(key) or engines.setdefault(key, make_engine(**args))
+        return DataStatesWriter(path, **kw)
+
+    return make
 
 
 # -- state builders ------------------------------------------------------------------------------
@@ -183,10 +193,19 @@ def save(state: dict, path: Path, writer: DataStatesWriter) -> None:
 
 
 def load_into(template: dict, path: Path, **reader_kw: object) -> dict:
-    """Load ``path`` into a blank copy of ``template``'s structure and return it."""
+    """Load ``path`` into a blank copy of ``template``'s structure and return it (engine
+    arguments in ``reader_kw`` give the load an engine of its own)."""
     out = blank_like(template)
     assert isinstance(out, dict)
-    dcp.load(out, checkpoint_id=path, storage_reader=DataStatesReader(**reader_kw), no_dist=True)
+    engine_args = split_engine_args(reader_kw)
+    engine = Engine(**engine_args) if engine_args and "engine" not in reader_kw else None
+    try:
+        reader = DataStatesReader(engine=engine, **reader_kw) if engine else DataStatesReader(
+            **reader_kw)
+        dcp.load(out, checkpoint_id=path, storage_reader=reader, no_dist=True)
+    finally:
+        if engine is not None:
+            engine.close()
     return out
 
 

@@ -1,0 +1,121 @@
+"""The checkpoint directory: one save at a time holds it, and what a commit may delete.
+
+A save's coordinator claims the directory with an ``fcntl`` lock on a file in it before any
+rank writes there, and holds it until ``.metadata`` is committed (or the save failed): a save
+from another process (or another engine) fails at once with an error naming the directory.
+Data file names carry a token unique to the save, and only the claim holder deletes data files
+(those its new ``.metadata`` does not name), so no save removes a file another's metadata names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import uuid
+from pathlib import Path
+
+from .errors import CheckpointError
+
+LOCK_NAME = ".dcp_datastates.lock"
+#: Data files: ``__<rank>_<token>.safetensors``.
+DATA_FILE_RE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
+
+_FS_NAMES = {
+    0x01021994: "tmpfs", 0x858458F6: "ramfs", 0xEF53: "ext4", 0x58465342: "xfs",
+    0x9123683E: "btrfs", 0x6969: "nfs", 0x794C7630: "overlayfs", 0x0BD00BD0: "lustre",
+    0x65735546: "fuse", 0x47504653: "gpfs",
+}
+_MEMORY_FS = {0x01021994, 0x858458F6}
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def fs_magic(directory: Path) -> int | None:
+    """The file system type (statfs ``f_type``) of ``directory``, None where unknown."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field (a long)
+    if _libc.statfs(os.fsencode(directory), buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value
+
+
+def fs_name(directory: Path) -> str:
+    magic = fs_magic(directory)
+    return _FS_NAMES.get(magic, f"0x{magic:x}" if magic is not None else "unknown")
+
+
+def memory_backed(directory: Path) -> bool:
+    """Whether ``directory`` lives on a memory file system (tmpfs, ramfs)."""
+    return fs_magic(directory) in _MEMORY_FS
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def check_direct_io(directory: Path) -> None:
+    """Raise ValueError, naming the path and file system, where O_DIRECT files cannot be made."""
+    where = existing_ancestor(directory)
+    probe = where / f".dcp_datastates_probe_{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise ValueError(
+                f"direct_io=True but {where} is on {fs_name(where)}, which refuses O_DIRECT; "
+                f"pass direct_io=None (use it where possible) or False"
+            ) from None
+        return  # not writable etc.: the save itself reports that, with its own path
+    os.close(fd)
+    probe.unlink(missing_ok=True)
+
+
+class DirectoryClaim:
+    """An exclusive, non-blocking ``fcntl`` lock on ``directory``'s lock file."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / LOCK_NAME
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"{directory} is being written by another save (it holds {LOCK_NAME}); "
+                f"wait for that save to finish or save elsewhere"
+            ) from None
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock (idempotent); the lock file stays."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def new_token() -> str:
+    """A token unique to one save, for its file names."""
+    return uuid.uuid4().hex[:16]
+
+
+def remove_unreferenced(directory: Path, keep: set[str]) -> bool:
+    """Delete data files in ``directory`` that ``keep`` does not name (claim held);
+    return whether any went."""
+    stale = [p for p in directory.iterdir() if DATA_FILE_RE.match(p.name) and p.name not in keep]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return bool(stale)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a directory's entries (new, renamed or removed files) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

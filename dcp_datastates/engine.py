@@ -1,0 +1,337 @@
+"""The engine: everything long-lived that saves and loads share, owned in one place.
+
+One engine per process by default (:func:`default_engine`), or one made and passed in as
+``engine=``. It owns the host cache (a snapshot arena sized from the states it sees, and a
+bounce arena for flush and restore buffers), their pinning and io_uring registration, the CUDA
+side streams, the I/O backend, and the executors. Writers and readers are thin adapters that
+hand each save or load to a job on the engine (``jobs/``); a job owns what it holds and gives
+it back explicitly. ``close()`` frees everything; the default engine is closed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from . import cuda_copy
+from .host_cache import Arena, Lease, round_up
+from .io import IOBackend, make_backend
+from .sizes import format_size, parse_size
+
+if TYPE_CHECKING:
+    from .jobs.save import SaveJob
+
+log = logging.getLogger("dcp_datastates")
+
+#: The bounce arena: flush gathers and restore extents (the share of an explicit cache size).
+MAX_BOUNCE_BYTES = 256 << 20
+AUTO_BOUNCE_BYTES = 128 << 20
+#: ``auto`` never grows the snapshot arena beyond this fraction of MemAvailable.
+AUTO_MEMORY_FRACTION = 0.5
+#: How often waits for memory or for a turn look for saves that were abandoned.
+POLL_S = 0.05
+
+
+def available_memory() -> int:
+    """``MemAvailable`` from /proc/meminfo, in bytes (total RAM where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Engine:
+    """The process's host cache, CUDA streams, I/O backend and executors.
+
+    Args:
+        host_cache_size: ``"auto"`` (default) sizes the snapshot cache from the largest state
+            staged so far, growing it when a larger one comes, never beyond half of the memory
+            the kernel reports available (``MemAvailable``) at that moment; plus a bounce arena
+            of 128 MiB for flush and restore buffers. A size (bytes or ``"16GiB"``) fixes the
+            whole cache, of which up to 256 MiB (a quarter at most) are bounce buffers. A state
+            larger than the snapshot cache stages the rest in pageable memory (logged).
+        io_backend: ``"auto"``, ``"uring"``, ``"threads"`` (``$DCP_DATASTATES_IO`` overrides),
+            or a backend object (tests inject fakes); the engine closes only a backend it made.
+        io_workers: threads that keep flush and restore I/O in flight.
+
+    Caches are mapped, pinned and registered on the engine's staging thread (or the first
+    flush/load), never on the thread that calls ``async_save``.
+    """
+
+    def __init__(
+        self,
+        *,
+        host_cache_size: int | str = "auto",
+        io_backend: str | IOBackend = "auto",
+        io_workers: int = 8,
+    ) -> None:
+        if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
+            raise ValueError(f"io_workers must be an integer >= 1, got {io_workers!r}")
+        self.fixed_size = None if host_cache_size == "auto" else parse_size(
+            host_cache_size, name="host_cache_size")
+        if self.fixed_size is not None and self.fixed_size < 4 * 4096:
+            raise ValueError(f"host_cache_size must be at least 16 KiB, got {host_cache_size!r}")
+        if isinstance(io_backend, str):
+            self.io, message = make_backend(io_backend)
+            self._owns_io = True
+            log.info(message)
+        else:
+            self.io, self._owns_io = io_backend, False
+        self.cuda = cuda_copy.CudaCopier() if cuda_copy.available() else None
+        if (why := cuda_copy.why_unavailable()) is not None:
+            log.warning("dcp_datastates: %s", why)
+        self.stage_pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
+        self.io_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-io")
+        self.io_workers = io_workers
+        self._lock = threading.Condition()
+        self._grow_lock = threading.Lock()
+        self._snapshot: Arena | None = None
+        self._bounce: Arena | None = None
+        self._retiring: list[Arena] = []
+        self._tickets = itertools.count(1)
+        self._jobs: dict[int, SaveJob] = {}
+        self.closed = False
+
+    # -- context manager ------------------------------------------------------------------------
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- host cache -----------------------------------------------------------------------------
+    def reserve(self, nbytes: int, *, wait: bool = True) -> Lease | None:
+        """A snapshot lease of ``nbytes`` (less where the cache is smaller: the caller stages
+        the rest in pageable memory), or None where no cache memory can be had.
+
+        With ``wait``, blocks while the cache is full (backpressure) until earlier saves have
+        flushed; a request larger than the cache is admitted once nothing else holds it.
+        Without ``wait`` (a save whose turn it is: what holds memory waits behind it), returns
+        None at once when the memory is taken.
+        """
+        if nbytes <= 0:
+            return None
+        arena = self._snapshot_arena(nbytes)
+        need = min(nbytes, arena.nbytes)
+        while (lease := arena.pool.try_allocate(need)) is None:
+            if not wait:
+                return None
+            self._check_open()
+            self.reap_abandoned()
+            arena.pool.wait_for_release(POLL_S)
+        return lease
+
+    @property
+    def bounce(self) -> Arena:
+        """The arena of short-lived flush and restore buffers (made at first use)."""
+        with self._grow_lock:
+            if self._bounce is None:
+                self._check_open()
+                size = AUTO_BOUNCE_BYTES if self.fixed_size is None else min(
+                    MAX_BOUNCE_BYTES, round_up(self.fixed_size // 4))
+                self._bounce = self._make_arena(size, "bounce")
+            return self._bounce
+
+    def cache_bytes(self) -> int:
+        """Bytes of host memory the engine's arenas hold now (retiring ones included)."""
+        with self._grow_lock:
+            arenas = [self._snapshot, self._bounce, *self._retiring]
+        return sum(a.nbytes for a in arenas if a is not None)
+
+    def live_leases(self) -> int:
+        """Leases handed out and not yet released (0 when no save holds memory)."""
+        with self._grow_lock:
+            arenas = [self._snapshot, self._bounce, *self._retiring]
+        return sum(a.pool.live for a in arenas if a is not None)
+
+    def _snapshot_arena(self, nbytes: int) -> Arena:
+        with self._grow_lock:
+            self._check_open()
+            current = self._snapshot
+            if self.fixed_size is not None:
+                if current is None:
+                    bounce = min(MAX_BOUNCE_BYTES, round_up(self.fixed_size // 4))
+                    size = max(4096, round_up(self.fixed_size) - bounce)
+                    current = self._snapshot = self._make_arena(size, "snapshot")
+                    log.info("dcp_datastates: host cache %s for snapshots (host_cache_size=%s)",
+                             format_size(size), format_size(self.fixed_size))
+                return current
+            want = round_up(nbytes)
+            if current is not None and current.nbytes >= want:
+                return current
+            cap = round_up(int(AUTO_MEMORY_FRACTION * (
+                available_memory() + (current.nbytes if current else 0))))
+            size = min(want, cap)
+            if current is not None and current.nbytes >= size:
+                return current
+            arena = self._make_arena(size, "snapshot")
+            if current is not None:
+                self._retiring.append(current)
+            self._snapshot = arena
+            log.info(
+                "dcp_datastates: host cache %s for snapshots (auto: a state of %s was staged%s)",
+                format_size(size), format_size(nbytes),
+                f"; capped at half of available memory, {format_size(cap)}" if size < want
+                else "",
+            )
+        self._free_retired()
+        return arena
+
+    def _make_arena(self, nbytes: int, name: str) -> Arena:
+        arena = Arena(nbytes, name)
+        try:
+            if self.cuda is not None:
+                self.cuda.pin(arena.addr, arena.nbytes)
+        except BaseException:
+            arena.free()
+            raise
+        self.io.register(arena.addr, arena.nbytes)
+        return arena
+
+    def _free_arena(self, arena: Arena) -> None:
+        """Unregister, unpin, unmap: in that order, so no registration outlives the memory."""
+        if arena.pool.live:
+            raise RuntimeError(
+                f"cannot free the {arena.pool.name} cache: {arena.pool.live} lease(s) still live")
+        self.io.unregister(arena.addr, arena.nbytes)
+        if self.cuda is not None:
+            self.cuda.unpin(arena.addr)
+        arena.free()
+
+    def _free_retired(self) -> None:
+        with self._grow_lock:
+            idle = [a for a in self._retiring if not a.pool.live]
+            self._retiring = [a for a in self._retiring if a.pool.live]
+        for arena in idle:
+            self._free_arena(arena)
+
+    # -- save jobs and their turns --------------------------------------------------------------
+    def new_save_job(self) -> SaveJob:
+        """A save job holding the next ticket: its storage steps run after every earlier one's."""
+        from .jobs.save import SaveJob
+
+        with self._lock:
+            self._check_open()
+            job = SaveJob(self, next(self._tickets))
+            self._jobs[job.id] = job
+            return job
+
+    def job_done(self, job: SaveJob) -> None:
+        """Called by a job once it holds nothing: later saves may take their turn."""
+        with self._lock:
+            self._jobs.pop(job.id, None)
+            self._lock.notify_all()
+        self._free_retired()
+
+    def wait_turn(self, job: SaveJob) -> None:
+        """Block until every save with an earlier ticket is over (abandoned ones are reaped)."""
+        while True:
+            with self._lock:
+                earlier = [j for t, j in self._jobs.items() if t < job.id]
+                if not earlier:
+                    return
+                self._lock.wait(POLL_S)
+            self.reap_abandoned()
+
+    def wait_for_snapshots(self) -> None:
+        """Block until every snapshot staged so far has been copied (failed ones included)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.copied.wait()
+
+    def end_saves_left_by(self, thread: threading.Thread, current: SaveJob) -> None:
+        """``thread`` starts ``current``: a save it ran before is over, finished or not."""
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.owner is thread and j is not current]
+        for job in jobs:
+            job.end_abandoned()
+
+    def reap_abandoned(self) -> None:
+        """End saves whose thread left DCP without finishing them (an error elsewhere)."""
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.abandoned()]
+        for job in jobs:
+            job.end_abandoned()
+
+    # -- executors ------------------------------------------------------------------------------
+    def submit(self, fn: Callable, *args: object):
+        """Run ``fn(*args)`` on the I/O threads."""
+        return self.io_pool.submit(fn, *args)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this dcp_datastates Engine is closed")
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Wait (up to ``timeout`` s) for saves in progress, then free the caches, streams,
+        threads and backend. A save still holding memory then is ended with an error."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.reap_abandoned()
+            with self._lock:
+                if self.closed:
+                    return
+                pending = [j for j in self._jobs.values() if not j.ended]
+                if not pending or time.monotonic() >= deadline:
+                    self.closed = True
+                    self._jobs.clear()
+                    break
+                self._lock.wait(POLL_S)
+        for job in pending:
+            job.end(RuntimeError(f"the engine was closed before save {job.id} finished"))
+        self.stage_pool.shutdown(wait=True)
+        self.io_pool.shutdown(wait=True)
+        with self._grow_lock:
+            arenas = [a for a in (self._snapshot, self._bounce, *self._retiring) if a]
+            self._snapshot = self._bounce = None
+            self._retiring = []
+        for arena in arenas:
+            self._free_arena(arena)
+        if self.cuda is not None:
+            self.cuda.close()
+        if self._owns_io:
+            self.io.close()
+
+
+_default: Engine | None = None
+_default_lock = threading.Lock()
+
+
+def default_engine() -> Engine:
+    """The process's engine, made at first use with default arguments, closed at exit."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = Engine()
+        return _default
+
+
+def _close_default() -> None:
+    global _default
+    with _default_lock:
+        engine, _default = _default, None
+    if engine is not None:
+        engine.close(timeout=5.0)
+
+
+def _forget_default_in_child() -> None:
+    """A forked child has none of the parent's threads: it makes its own engine."""
+    global _default, _default_lock
+    _default, _default_lock = None, threading.Lock()
+
+
+atexit.register(_close_default)
+os.register_at_fork(after_in_child=_forget_default_in_child)

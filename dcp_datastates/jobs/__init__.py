@@ -1,0 +1,1 @@
+"""Jobs: one save or one load each, owning what it holds."""

@@ -1,0 +1,439 @@
+"""A load job: one rank's reads of one load, through the engine's I/O path.
+
+Large items are read straight into their targets (CPU) or through pinned bounce extents and a
+side-stream host-to-device copy (GPU); small items and bytes items of one file are read
+together, a few large requests for thousands of items, into a bounce buffer, verified there and
+copied out. Every byte is checked against ``.metadata``'s checksums unless turned off.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import stat
+import struct
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from ..checksums import memory_at, verify_span
+from ..directory import memory_backed
+from ..errors import CheckpointCorruptError
+from ..file_format import read_header
+from ..host_cache import Lease, round_up
+from ..io.base import ALIGN, IOBackend, IOReq
+from ..metadata_file import ItemLocation
+from ..stats import LoadStats
+
+#: Items (whole stored chunks) smaller than this are read together with their neighbours.
+SMALL_ITEM_BYTES = 1 << 20
+#: Bytes one coalesced read may span, and the hole it may read across.
+SPAN_BYTES, SPAN_GAP = 16 << 20, 64 << 10
+
+
+@dataclass
+class _Small:
+    """A small item to read in a span: a bytes item (``target`` None) or a tensor chunk."""
+
+    req: ReadItem
+    loc: ItemLocation
+    target: torch.Tensor | None
+    view: tuple[int, int] | None = None  # item bytes [a, b) the target takes, if a tensor
+
+
+class LoadJob:
+    """Reads one plan of one load. Made per ``read_data`` by the reader."""
+
+    def __init__(self, engine: object, directory: Path, metadata: Metadata,
+                 verify_checksums: bool, direct_io: bool) -> None:
+        self.engine = engine
+        self.directory = directory
+        self.metadata = metadata
+        self.verify_checksums = verify_checksums
+        self.direct_io = direct_io
+        self.stats = LoadStats(engine.io.name, verified=verify_checksums)
+
+    def read(self, plan: LoadPlan, planner: LoadPlanner) -> LoadStats:
+        """Read every item of ``plan`` and hand it to ``planner``; return the figures."""
+        start = time.perf_counter()
+        backend = self.engine.io
+        files = _OpenFiles(self.directory, self.direct_io)
+        jobs: list[tuple[ReadItem, torch.Tensor | None, Future]] = []
+        spans: list[Future] = []
+        small: dict[str, list[_Small]] = defaultdict(list)
+        try:
+            for req in plan.items:
+                loc = self._location(req)
+                f = files.open(loc, req)
+                if req.type == LoadItemType.BYTE_IO:
+                    if loc.length < SMALL_ITEM_BYTES:
+                        small[loc.file].append(_Small(req, loc, None))
+                    else:
+                        jobs.append((req, None, self.engine.submit(
+                            self._read_bytes, backend, f, loc, req)))
+                    continue
+                target = planner.resolve_tensor(req).detach()
+                if loc.length < SMALL_ITEM_BYTES and not target.is_cuda:
+                    small[loc.file].append(_Small(req, loc, target))
+                    continue
+                jobs.append((req, target, self.engine.submit(
+                    self._read_tensor, backend, f, loc, req, target)))
+            for name, items in small.items():
+                for group in _spans(items):
+                    spans.append(self.engine.submit(self._read_span, files.get(name), group))
+            done = [(req, target, job.result()) for req, target, job in jobs]
+            span_results = [s.result() for s in spans]
+        finally:
+            for f in [*(j for *_, j in jobs), *spans]:
+                f.exception()  # nothing may still read into memory once this returns
+            files.close()
+        for req, target, data in done:
+            if target is None:
+                self.stats.bytes_read += len(data)
+                planner.load_bytes(req, io.BytesIO(data))
+            else:
+                self.stats.bytes_read += target.numel() * target.element_size()
+                planner.commit_tensor(req, target)
+        for results in span_results:
+            for item, data in results:
+                if item.target is None:
+                    self.stats.bytes_read += len(data)
+                    planner.load_bytes(item.req, io.BytesIO(data))
+                else:
+                    self.stats.bytes_read += item.target.numel() * item.target.element_size()
+                    planner.commit_tensor(item.req, item.target)
+        self.stats.seconds = time.perf_counter() - start
+        return self.stats
+
+    def _read_span(self, f: _File, items: list[_Small]) -> list[tuple[_Small, bytes | None]]:
+        """Read the items' bytes in one request, verify each, copy each into its target."""
+        lo = items[0].loc.offset
+        hi = max(i.loc.offset + i.loc.length for i in items)
+        lease = self.engine.bounce.pool.allocate(hi - lo)
+        try:
+            try:
+                self.engine.io.read(f.fd, items[0].loc.file, [IOReq(lease.addr, hi - lo, lo)])
+            except OSError as exc:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}, file {items[0].loc.file}: {exc}") from exc
+            out = []
+            for item in items:
+                a = item.loc.offset - lo
+                mem = memory_at(lease.addr + a, item.loc.length) if item.loc.length else b""
+                if self.verify_checksums:
+                    verify_span([(0, mem)], item.loc.checksums, item.loc.block, item.loc.length,
+                                self._describe(item.loc, item.req))
+                if item.target is None:
+                    out.append((item, bytes(mem)))
+                else:
+                    self._fill(item, lease.as_tensor(item.loc.length, a))
+                    out.append((item, None))
+            return out
+        finally:
+            lease.release()
+
+    def _fill(self, item: _Small, data: torch.Tensor) -> None:
+        """Copy the requested part of a whole stored chunk (``data``, uint8) into the target."""
+        md, shape, dtype = self._tensor_md(item.loc, item.req)
+        view = data.view(dtype).view(shape) if data.numel() else torch.empty(shape, dtype=dtype)
+        for dim, (o, n) in enumerate(zip(item.req.storage_offsets, item.req.lengths,
+                                         strict=True)):
+            view = view.narrow(dim, o, n)
+        item.target.copy_(view)
+
+    def _tensor_md(self, loc: ItemLocation, req: ReadItem
+                   ) -> tuple[TensorStorageMetadata, tuple[int, ...], torch.dtype]:
+        md = self.metadata.state_dict_metadata.get(req.storage_index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointCorruptError(f"{self._describe(loc, req)}: not a tensor in .metadata")
+        shape = _chunk_shape(md, req, self._describe(loc, req))
+        dtype = md.properties.dtype
+        if math.prod(shape) * dtype.itemsize != loc.length:
+            raise CheckpointCorruptError(
+                f"{self._describe(loc, req)}: {loc.length} bytes stored for a {dtype} chunk of "
+                f"shape {list(shape)}"
+            )
+        return md, shape, dtype
+
+    def _location(self, req: ReadItem) -> ItemLocation:
+        assert self.metadata is not None, "read_data before set_up_storage_reader"
+        loc = self.metadata.storage_data.get(req.storage_index)
+        if not isinstance(loc, ItemLocation):
+            raise CheckpointCorruptError(
+                f"checkpoint {self.directory}: .metadata has no location for item "
+                f"{req.storage_index.fqn!r}"
+            )
+        return loc
+
+    def _describe(self, loc: ItemLocation, req: ReadItem) -> str:
+        return f"checkpoint {self.directory}, file {loc.file}, item {req.storage_index.fqn!r}"
+
+    def _read(self, backend: IOBackend, f: _File, loc: ItemLocation, a: int, dst: torch.Tensor,
+              req: ReadItem) -> None:
+        """Read item bytes ``[a, a + dst.numel())`` into the flat uint8 tensor ``dst``."""
+        if not dst.numel():
+            return
+        try:
+            backend.read(f.fd, loc.file, [IOReq(dst.data_ptr(), dst.numel(), loc.offset + a)])
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
+
+    def _verify(self, backend: IOBackend, f: _File, loc: ItemLocation, a: int, main: torch.Tensor,
+                req: ReadItem) -> None:
+        """Check the blocks covering item bytes ``[a, a + len(main))``, reading their edges."""
+        if not self.verify_checksums:
+            return
+        b = a + main.numel()
+        lo = a - a % loc.block
+        hi = min(loc.length, -(-b // loc.block) * loc.block) if b > a else lo
+        head, tail = _bytes(a - lo), _bytes(max(hi - b, 0))  # alive until verified
+        self._read(backend, f, loc, lo, head, req)
+        self._read(backend, f, loc, b, tail, req)
+        segments = [(start, memory_at(data.data_ptr(), data.numel()))
+                    for start, data in ((lo, head), (a, main), (b, tail))
+                    if data.numel() or start == lo]
+        verify_span(segments, loc.checksums, loc.block, loc.length, self._describe(loc, req))
+
+    def _read_bytes(self, backend: IOBackend, f: _File, loc: ItemLocation, req: ReadItem) -> bytes:
+        buf = _bytes(loc.length)
+        self._read(backend, f, loc, 0, buf, req)
+        self._verify(backend, f, loc, 0, buf, req)
+        return bytes(memory_at(buf.data_ptr(), buf.numel())) if buf.numel() else b""
+
+    def _read_tensor(self, backend: IOBackend, f: _File, loc: ItemLocation, req: ReadItem,
+                     target: torch.Tensor) -> None:
+        _, shape, dtype = self._tensor_md(loc, req)
+        itemsize = dtype.itemsize
+        offsets, lengths = list(req.storage_offsets), list(req.lengths)
+        row = math.prod(shape[1:]) * itemsize
+        a, b = (offsets[0] * row, (offsets[0] + lengths[0]) * row) if shape else (0, loc.length)
+        whole_rows = offsets[1:] == [0] * (len(shape) - 1) and lengths[1:] == list(shape[1:])
+        direct = (  # the request is the target's bytes, in order: no reshaping copy needed
+            target.is_contiguous() and target.dtype == dtype and whole_rows
+            and target.numel() * itemsize == b - a
+        )
+        if direct and target.is_cuda and self.engine.cuda is not None:
+            return self._read_to_gpu(backend, f, loc, a, b, req, target)
+        direct = direct and target.device.type == "cpu"
+        buf = target.reshape(-1).view(torch.uint8) if direct else _bytes(b - a)
+        self._read(backend, f, loc, a, buf, req)
+        self._verify(backend, f, loc, a, buf, req)
+        if not direct:
+            rows = [lengths[0], *shape[1:]] if shape else []
+            view = buf.view(dtype).view(rows)
+            for dim in range(1, len(shape)):
+                view = view.narrow(dim, offsets[dim], lengths[dim])
+            target.copy_(view)
+
+
+    def _read_to_gpu(self, backend: IOBackend, f: _File, loc: ItemLocation, a: int, b: int,
+                     req: ReadItem, target: torch.Tensor) -> None:
+        """Item bytes ``[a, b)`` -> pinned extents -> ``cudaMemcpyAsync`` into ``target``.
+
+        Extents are whole checksum blocks, so each is verified on its own before its copy.
+        """
+        pool, block, streams = self.engine.bounce.pool, loc.block, self.engine.cuda
+        lo, hi = a, b
+        if self.verify_checksums:
+            lo, hi = a - a % block, min(loc.length, -(-b // block) * block)
+        extent = max(block, pool.capacity // self.engine.io_workers // block * block)
+        for s in range(lo, hi, extent):
+            e = min(s + extent, hi)
+            lease = pool.allocate(e - s)
+            try:
+                self._read_extent(backend, f, loc, s, lease, req)
+                if self.verify_checksums:
+                    verify_span([(s, memory_at(lease.addr, e - s))], loc.checksums, block,
+                                loc.length, self._describe(loc, req))
+                c0, c1 = max(s, a), min(e, b)
+                if c0 < c1:
+                    streams.copy([(target.device.index, target.data_ptr() + c0 - a,
+                                   lease.addr + c0 - s, c1 - c0)], "h2d")
+            finally:
+                lease.release()
+
+    def _read_extent(self, backend: IOBackend, f: _File, loc: ItemLocation, s: int,
+                     lease: Lease, req: ReadItem) -> None:
+        """Item bytes ``[s, s + lease.nbytes)`` into ``lease``: O_DIRECT for the aligned body.
+
+        The body is read in whole 4 KiB blocks (the lease has room for the rounding), up to
+        the file's last whole block; what is left (the file's tail) is read buffered.
+        """
+        start, end = loc.offset + s, loc.offset + s + lease.nbytes
+        body_end = start
+        if f.direct_fd is not None and start % ALIGN == 0:
+            body_end = max(start, min(round_up(end), f.size - f.size % ALIGN))
+        try:
+            if body_end > start:
+                backend.read(f.direct_fd, loc.file, [IOReq(lease.addr, body_end - start, start)])
+            if body_end < end:
+                backend.read(f.fd, loc.file,
+                             [IOReq(lease.addr + body_end - start, end - body_end, body_end)])
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
+
+
+
+
+def _spans(items: list[_Small]) -> list[list[_Small]]:
+    """Group a file's small items (by offset) into spans read in one request each."""
+    items = sorted(items, key=lambda i: i.loc.offset)
+    groups: list[list[_Small]] = []
+    lo = end = 0
+    for item in items:
+        a, b = item.loc.offset, item.loc.offset + item.loc.length
+        if groups and a - end <= SPAN_GAP and b - lo <= SPAN_BYTES:
+            groups[-1].append(item)
+            end = max(end, b)
+        else:
+            groups.append([item])
+            lo, end = a, b
+    return groups
+
+
+#: Bytes read at first to check a data file's header (most headers are much shorter).
+HEAD_BYTES = 64 << 10
+
+@dataclass
+class _File:
+    """An open data file: a buffered descriptor, its size, and an O_DIRECT one where usable."""
+
+    fd: int
+    size: int
+    direct_fd: int | None
+
+
+class _OpenFiles:
+    """Data files opened once per read, with their sizes checked against each item."""
+
+    def __init__(self, directory: Path, direct: bool) -> None:
+        self.directory = directory
+        self.direct = direct
+        self._files: dict[str, _File] = {}
+
+    def open(self, loc: ItemLocation, req: ReadItem) -> _File:
+        if loc.file not in self._files:
+            path = self.directory / loc.file
+            try:
+                # O_NONBLOCK: a FIFO planted under a data file's name must not hang the open
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}: data file {loc.file} is missing (item "
+                    f"{req.storage_index.fqn!r} lives there)"
+                ) from None
+            except OSError as exc:  # a directory, unreadable, ...: not a usable data file
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}: cannot open data file {loc.file} (item "
+                    f"{req.storage_index.fqn!r} lives there): {exc}"
+                ) from exc
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}: data file {loc.file} is not a regular file "
+                    f"(item {req.storage_index.fqn!r} lives there)"
+                )
+            os.set_blocking(fd, True)  # io_uring would answer EAGAIN on an O_NONBLOCK file
+            self._check_header(fd, st.st_size, loc, req)
+            direct_fd = None
+            if self.direct and not memory_backed(self.directory):
+                try:
+                    direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
+                except OSError:
+                    direct_fd = None  # the file system refuses O_DIRECT: buffered reads only
+            self._files[loc.file] = _File(fd, st.st_size, direct_fd)
+        file = self._files[loc.file]
+        if loc.offset + loc.length > file.size:
+            raise CheckpointCorruptError(
+                f"checkpoint {self.directory}: data file {loc.file} is truncated: item "
+                f"{req.storage_index.fqn!r} needs bytes {loc.offset}..{loc.offset + loc.length}, "
+                f"the file has {file.size}"
+            )
+        return file
+
+    def _check_header(self, fd: int, size: int, loc: ItemLocation, req: ReadItem) -> None:
+        """Refuse a data file whose safetensors header is malformed, or shorter than ``loc``."""
+        what = f"checkpoint {self.directory}: data file {loc.file}"
+        head = os.pread(fd, HEAD_BYTES, 0)
+        try:
+            try:
+                data_start, _ = read_header(head, what, size)
+            except CheckpointCorruptError:
+                if len(head) < HEAD_BYTES:
+                    raise
+                (n,) = struct.unpack("<Q", head[:8])  # a long header: read all of it once
+                data_start, _ = read_header(os.pread(fd, 8 + min(n, size), 0), what, size)
+        except CheckpointCorruptError:
+            os.close(fd)
+            raise
+        if loc.offset < data_start:
+            os.close(fd)
+            raise CheckpointCorruptError(f"{what}: offset {loc.offset} lies inside the header")
+
+    def get(self, name: str) -> _File:
+        return self._files[name]
+
+    def close(self) -> None:
+        for file in self._files.values():
+            os.close(file.fd)
+            if file.direct_fd is not None:
+                os.close(file.direct_fd)
+        self._files.clear()
+
+
+def _bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def _chunk_shape(md: TensorStorageMetadata, req: ReadItem, what: str) -> tuple[int, ...]:
+    offset = req.storage_index.offset
+    for chunk in md.chunks:
+        if offset is None or tuple(chunk.offsets) == tuple(offset):
+            return tuple(chunk.sizes)
+    raise CheckpointCorruptError(f"{what}: no stored chunk at offsets {offset}")
+
+
+def check_locations(directory: Path, metadata: Metadata) -> None:
+    """Reject locations that point outside the checkpoint directory or make no sense."""
+    if not isinstance(metadata.storage_data, dict):
+        raise CheckpointCorruptError(f"{directory}/.metadata: storage data is not a mapping")
+    for index, loc in metadata.storage_data.items():
+        if not isinstance(loc, ItemLocation):
+            raise CheckpointCorruptError(
+                f"{directory}/.metadata: item {index.fqn!r} has no DataStates location; was "
+                f"this checkpoint written by another storage writer?"
+            )
+        name_ok = isinstance(loc.file, str) and loc.file not in ("", ".", "..") and (
+            "/" not in loc.file and "\\" not in loc.file and "\0" not in loc.file
+        )
+        numbers_ok = all(_is_int(v) for v in (loc.offset, loc.length, loc.block)) and (
+            loc.offset >= 0 and loc.length >= 0 and loc.block > 0
+        )
+        if not name_ok or not numbers_ok:
+            raise CheckpointCorruptError(
+                f"{directory}/.metadata: item {index.fqn!r} has an invalid location {loc!r}"
+            )
+        checksums = loc.checksums
+        need = max(1, -(-loc.length // loc.block))
+        if (
+            not isinstance(checksums, (tuple, list))
+            or len(checksums) != need
+            or not all(_is_int(c) for c in checksums)
+        ):
+            count = len(checksums) if isinstance(checksums, (tuple, list)) else type(checksums)
+            raise CheckpointCorruptError(
+                f"{directory}/.metadata: item {index.fqn!r} has {count} checksums where its "
+                f"{loc.length} bytes in blocks of {loc.block} need {need}"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # bools are not offsets or lengths

@@ -1,0 +1,377 @@
+"""A save job: one rank's part of one save, from snapshot to commit, owning what it holds.
+
+States: planned -> staging -> staged -> flushing -> committed | failed (or handed_off, when
+DCP's PROCESS checkpointer takes the snapshot to its own process). The job owns its snapshot
+lease, the CUDA events and source tensors of its copies (until they are done), the directory
+claim, its data file and its figures; ``end`` releases all of it, on success, failure and
+cancellation alike. Saves take their storage steps in ticket order (see ``Engine.wait_turn``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..checksums import BLOCK_BYTES, block_checksums
+from ..directory import DirectoryClaim, fsync_dir, new_token, remove_unreferenced
+from ..errors import CheckpointError
+from ..file_format import ItemSpec, plan_layout
+from ..file_writer import DataFile, Piece
+from ..host_cache import Lease
+from ..metadata_file import METADATA_NAME, ItemLocation, write_metadata
+from ..sizes import format_size
+from ..snapshot import copy_into, layout, nbytes_of, rebuild, walk
+from ..stats import SaveStats
+
+try:
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+except ImportError:  # older torch: the version its own writer stamps
+    CURRENT_DCP_VERSION = "1.0.0"
+
+log = logging.getLogger("dcp_datastates")
+
+#: Stands for a bytes item's size before it is serialized (no real size has more digits).
+_SIZE_BOUND = 10**15
+#: Checksum tasks cover at least this many bytes or items.
+_SUM_BYTES, _SUM_ITEMS = 16 << 20, 4096
+
+
+class SaveJob:
+    """One rank's part of one save. Made by ``Engine.new_save_job``."""
+
+    def __init__(self, engine: object, ticket: int) -> None:
+        self.engine = engine
+        self.id = ticket
+        self.state = "planned"
+        self.stats = SaveStats(backend=engine.io.name)
+        self.staged: Future = Future()  # the staged state dict (async saves)
+        self.copied = threading.Event()  # the snapshot's copies are over
+        self.persisted: Future = Future()  # this rank's data durable (and committed: coordinator)
+        self.claimed: Future = Future()  # a DCP save (or its child process) took the job
+        self.owner: threading.Thread | None = None
+        self.is_coordinator = True
+        self.token = new_token()
+        self.directory: Path | None = None
+        self._leases: list[Lease] = []
+        self._claim: DirectoryClaim | None = None
+        self._lock = threading.RLock()
+        self._ended = False
+        self._keeps_turn = False  # collectives: the turn lasts until the owner thread leaves DCP
+
+    # -- staging (async saves) ------------------------------------------------------------------
+    def stage(self, state_dict: dict, after: SaveJob | None) -> Future:
+        """Start the snapshot; return a Future of the staged state dict.
+
+        Runs on the caller's thread only to record the structure and a CUDA event; the copies
+        run on the engine's staging thread. The Future is completed once ``after`` (the
+        writer's previous save) has been claimed, so DCP threads take jobs in order.
+        """
+        sources: list[torch.Tensor] = []
+        dtensors: set[int] = set()
+        try:
+            skeleton = walk(state_dict, sources, {}, dtensors)
+            devices = {t.device.index for t in sources if t.is_cuda}
+            cuda = self.engine.cuda
+            ready = cuda.record_current(devices) if devices and cuda is not None else None
+            self.state = "staging"
+            self.engine.stage_pool.submit(self._stage, skeleton, sources, dtensors, ready, after)
+        except BaseException as exc:
+            self.end(exc)
+            raise
+        self.stats.blocking_s = time.perf_counter() - self.stats.start
+        return self.staged
+
+    def _stage(self, skeleton: object, sources: list[torch.Tensor], dtensors: set[int],
+               ready: dict | None, after: SaveJob | None) -> None:
+        try:
+            offsets, total = layout(sources)
+            lease = self._hold(self.engine.reserve(total))
+            staged, overflow = copy_into(lease, sources, offsets, self.engine.cuda, ready,
+                                         dtensors)
+            sources.clear()  # the copies are done: the sources may be changed or freed
+            state = rebuild(skeleton, staged, {})
+        except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
+            self.end(exc)
+            return
+        finally:
+            if ready is not None:
+                self.engine.cuda.destroy_events(ready)
+            self.copied.set()
+        self.state = "staged"
+        self.stats.overflow_bytes = overflow
+        self.stats.staged_bytes = sum(nbytes_of(t) for t in staged) - overflow
+        self.stats.snapshot_s = time.perf_counter() - self.stats.start
+        if overflow:
+            log.warning(
+                "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
+                "staged in pageable memory (slower); give the engine a larger host_cache_size",
+                self.id, format_size(overflow))
+        if after is None:
+            self._deliver(state)
+        else:
+            after.claimed.add_done_callback(lambda _: self._deliver(state))
+
+    def _deliver(self, state: dict) -> None:
+        if not self.staged.done():
+            self.staged.set_result(state)
+
+    def _hold(self, lease: Lease | None) -> Lease | None:
+        if lease is not None:
+            with self._lock:
+                self._leases.append(lease)
+                if self._ended:  # ended meanwhile (engine closing): give it straight back
+                    self._release()
+                    raise CheckpointError(f"save {self.id} ended while it was staging")
+        return lease
+
+    # -- the DCP save ---------------------------------------------------------------------------
+    def claim(self) -> None:
+        """The calling thread runs this save now; any save it left unfinished is over."""
+        self.owner = threading.current_thread()
+        if not self.claimed.done():
+            self.claimed.set_result(None)
+        self.engine.end_saves_left_by(self.owner, self)
+
+    def set_up(self, is_coordinator: bool) -> None:
+        self.is_coordinator = is_coordinator
+        self._keeps_turn = dist.is_available() and dist.is_initialized() and (
+            dist.get_world_size() > 1)
+
+    def prepare(self, overwrite: bool) -> None:
+        """Create the directory; the coordinator claims it and checks for a checkpoint."""
+        directory = self.directory
+        directory.mkdir(parents=True, exist_ok=True)
+        if not self.is_coordinator:
+            return
+        self._claim = DirectoryClaim(directory)
+        if (directory / METADATA_NAME).exists() and not overwrite:
+            raise RuntimeError(
+                f"Checkpoint already exists and overwrite=False: {directory} holds "
+                f"{METADATA_NAME}; pass overwrite=True to DataStatesWriter to replace it (the "
+                f"old checkpoint stays intact until the new one is committed)")
+
+    def flush(self, plan: SavePlan, planner: SavePlanner,
+              direct_io: bool | None) -> list[WriteResult]:
+        """Write this rank's data file; return DCP's write results. Tensor I/O starts at once;
+        bytes items are serialized meanwhile, then written with the header."""
+        self.state = "flushing"
+        start = time.perf_counter()
+        name = f"{plan.storage_data}{self.token}.safetensors"
+        tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        raw_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        serialized = [self.engine.submit(_serialize, planner, i) for i in raw_items]
+        tensors = [planner.resolve_data(i).detach() for i in tensor_items]
+        specs = [ItemSpec(entry_name(i.index), t.dtype, tuple(t.shape), nbytes_of(t))
+                 for i, t in zip(tensor_items, tensors, strict=True)]
+        draft = plan_layout(specs + [ItemSpec(entry_name(i.index), None, (_SIZE_BOUND,),
+                                              _SIZE_BOUND) for i in raw_items])
+        where = {p.spec.name: draft.data_start + p.begin for p in draft.placements if p.spec}
+        offsets = [where[s.name] for s in specs]
+        tensors = self._host_copies(tensors, [o - draft.data_start for o in offsets])
+        file = DataFile(self.directory / name, direct_io, self.engine.io, self.engine.bounce.pool,
+                        self.engine.submit)
+        sums = _Sums([])
+        try:
+            file.preallocate(max(offsets, default=draft.data_start) + max(
+                (nbytes_of(t) for t in tensors), default=0))
+            file.write([Piece(o, t.data_ptr(), nbytes_of(t), self._lease_of(t))
+                        for o, t in zip(offsets, tensors, strict=True)])
+            sums += _checksums(self.engine, [(t.data_ptr(), nbytes_of(t)) for t in tensors])
+            raws = [f.result() for f in serialized]
+            final = plan_layout(specs + [ItemSpec(entry_name(i.index), None, (len(r),), len(r))
+                                         for i, r in zip(raw_items, raws, strict=True)],
+                                header_len=draft.data_start)
+            raw_at = {p.spec.name: final.data_start + p.begin
+                      for p in final.placements if p.spec and p.spec.dtype is None}
+            raw_offsets = [raw_at[entry_name(i.index)] for i in raw_items]
+            memory = [_address(r) for r in (final.header, *raws)]
+            file.write([Piece(o, a, n) for o, (a, n) in zip([0, *raw_offsets], memory,
+                                                              strict=True)])
+            sums += _checksums(self.engine, memory[1:])
+            file.finish(final.file_size)
+            checksums = sums.result()
+        except BaseException:
+            file.abort()
+            raise
+        finally:
+            sums.wait()  # they read the memory released here
+            self._release()  # the bytes are in the file (or the save failed)
+        self.stats.add_flush(final.file_size, time.perf_counter() - start, file.direct)
+        items = tensor_items + raw_items
+        sizes = [nbytes_of(t) for t in tensors] + [len(r) for r in raws]
+        results = [
+            WriteResult(index=i.index, size_in_bytes=n,
+                        storage_data=ItemLocation(name, o, n, tuple(s), BLOCK_BYTES))
+            for i, o, n, s in zip(items, offsets + raw_offsets, sizes, checksums, strict=True)
+        ]
+        if not self.is_coordinator:
+            self.end(None)  # this rank's part is durable
+        return results
+
+    def commit(self, metadata: Metadata, results: list[list[WriteResult]],
+               storage_meta: StorageMeta) -> None:
+        """Commit ``.metadata`` (after every rank's file is durable) and end the save."""
+        directory = self.directory
+        metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
+        metadata.storage_meta = storage_meta
+        metadata.version = CURRENT_DCP_VERSION
+        fsync_dir(directory)
+        write_metadata(directory, metadata, self.token)
+        keep = {loc.file for loc in metadata.storage_data.values()}
+        if remove_unreferenced(directory, keep):
+            fsync_dir(directory)
+        self.end(None)
+
+    def hand_off(self) -> None:
+        """DCP's PROCESS checkpointer has pickled (so copied) the snapshot to its process:
+        the lease is free, and the rest of the save is that process's."""
+        self.claim()
+        self.state = "handed_off"
+        self.end(None)
+
+    # -- the end --------------------------------------------------------------------------------
+    def end(self, error: BaseException | None) -> None:
+        """Release everything the job holds and settle its futures (idempotent)."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            self._release()
+        if self.state != "handed_off":
+            self.state = "failed" if error is not None else "committed"
+        if error is None:
+            self.stats.durable_s = time.perf_counter() - self.stats.start
+            if self.stats.bytes_written:
+                self.stats.log()
+        for future in (self.staged, self.persisted, self.claimed):
+            if not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+        self.copied.set()
+        if error is not None or not self._keeps_turn:
+            self.engine.job_done(self)
+
+    def abandoned(self) -> bool:
+        """Whether the thread that ran this save has left without ending it."""
+        owner = self.owner
+        return owner is not None and not owner.is_alive()
+
+    def end_abandoned(self) -> None:
+        """The owner thread left DCP: end the save (a failure unless its part was done)."""
+        self.end(CheckpointError(
+            f"save {self.id} stopped outside dcp_datastates (another rank, the planner or DCP "
+            f"failed); what it held is released"))
+        self.engine.job_done(self)
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def _release(self) -> None:
+        with self._lock:
+            leases, self._leases = self._leases, []
+            claim, self._claim = self._claim, None
+        for lease in leases:
+            lease.release()
+        if claim is not None:
+            claim.release()
+
+    def _lease_of(self, t: torch.Tensor) -> Lease | None:
+        ptr = t.data_ptr()
+        for lease in self._leases:
+            if lease.addr <= ptr < lease.addr + lease.capacity:
+                return lease
+        return None
+
+    def _host_copies(self, tensors: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+        """CPU tensors to write: GPU ones (a plain ``dcp.save``) are copied on the side stream
+        into a lease laid out as the file; non-contiguous ones made contiguous."""
+        gpu = [k for k, t in enumerate(tensors) if t.is_cuda]
+        out = [t if t.is_cuda or t.is_contiguous() else t.contiguous() for t in tensors]
+        if not gpu:
+            return out
+        sources = [tensors[k].contiguous() for k in gpu]
+        base = min(offsets[k] for k in gpu)
+        end = max(offsets[k] + nbytes_of(tensors[k]) for k in gpu)
+        lease = self._hold(self.engine.reserve(end - base + base % 4096, wait=False))
+        shift = base - base % 4096  # keep the file's alignment inside the lease
+        cuda = self.engine.cuda
+        devices = {t.device.index for t in sources}
+        ready = cuda.record_current(devices) if cuda is not None else None
+        try:
+            copies, _ = copy_into(lease, sources, [offsets[k] - shift for k in gpu], cuda, ready)
+        finally:
+            if ready is not None:
+                cuda.destroy_events(ready)
+        for k, c in zip(gpu, copies, strict=True):
+            out[k] = c
+        return out
+
+
+def entry_name(index: MetadataIndex) -> str:
+    """The data file entry of a DCP item: its fqn, plus chunk offsets for a shard."""
+    if index.offset is None or not any(index.offset):
+        return index.fqn
+    return f"{index.fqn}@{'_'.join(str(o) for o in index.offset)}"
+
+
+def _serialize(planner: SavePlanner, item: WriteItem) -> bytes | memoryview:
+    data = planner.resolve_data(item)
+    return data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
+
+
+def _address(data: bytes | memoryview) -> tuple[int, int]:
+    """(address, length) of a buffer; the caller keeps it alive."""
+    if not len(data):
+        return 0, 0
+    if isinstance(data, bytes):
+        return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value, len(data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(data)), len(data)
+
+
+def _checksums(engine: object, spans: list[tuple[int, int]]) -> _Sums:
+    """Start per-block checksums of ``spans`` on the I/O threads, in batches."""
+    batches: list[list[tuple[int, int]]] = [[]]
+    size = 0
+    for span in spans:
+        if batches[-1] and (size >= _SUM_BYTES or len(batches[-1]) >= _SUM_ITEMS):
+            batches.append([])
+            size = 0
+        batches[-1].append(span)
+        size += span[1]
+    return _Sums([engine.submit(_sum_batch, b) for b in batches if b])
+
+
+def _sum_batch(spans: list[tuple[int, int]]) -> list[list[int]]:
+    return [block_checksums(a, n, BLOCK_BYTES) for a, n in spans]
+
+
+class _Sums:
+    """Checksum batches in flight, in item order."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self.futures = futures
+
+    def __iadd__(self, other: _Sums) -> _Sums:
+        self.futures += other.futures
+        return self
+
+    def result(self) -> list[list[int]]:
+        return [s for f in self.futures for s in f.result()]
+
+    def wait(self) -> None:
+        for f in self.futures:
+            f.exception()

@@ -1,0 +1,166 @@
+"""Snapshots: a state dict's tensors copied into one lease, laid out as the data file lays them.
+
+``walk`` runs on the caller's thread and only records the structure (tensors become slots);
+``copy_into`` runs on the engine's staging thread: every tensor gets the place the data file
+will give it (``file_format.place``), so a lease is an image of the file's tensor data and the
+flush writes it in a few large requests; small tensors share the lease instead of taking a
+4 KiB region each. GPU tensors are copied on a side stream after an event recorded by ``walk``'s
+caller; CPU tensors with ``memmove`` (small) or torch (large). What does not fit in the lease
+goes to pageable memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .cuda_copy import Copy, CudaCopier
+from .file_format import ItemSpec, place
+from .host_cache import Lease
+
+#: CPU tensors smaller than this are copied with one ``memmove`` (less overhead than torch).
+MEMMOVE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+@dataclass(frozen=True)
+class _DTensorSlot:
+    index: int
+    source: DTensor
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
+         dtensors: set[int]) -> object:
+    """The structure of ``obj`` with tensors replaced by slots numbering ``sources``; the
+    numbers of DTensor locals go to ``dtensors``.
+
+    Only dicts and lists are entered, as DCP does; other values stay as they are and are
+    deep-copied by :func:`rebuild` (on the staging thread, before the snapshot completes).
+    """
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, DTensor):
+        dtensors.add(len(sources))
+        out: object = _DTensorSlot(len(sources), obj)
+        local = obj.to_local().detach()
+        sources.append(local.contiguous() if local.is_cuda else local)
+    elif isinstance(obj, torch.Tensor):
+        out = _Slot(len(sources))
+        tensor = obj.detach()
+        sources.append(tensor.contiguous() if tensor.is_cuda else tensor)
+    elif isinstance(obj, dict):
+        out = {k: walk(v, sources, memo, dtensors) for k, v in obj.items()}
+    elif isinstance(obj, list):
+        out = [walk(v, sources, memo, dtensors) for v in obj]
+    else:
+        out = obj
+    memo[id(obj)] = out
+    return out
+
+
+def rebuild(obj: object, staged: list[torch.Tensor], memo: dict[int, object]) -> object:
+    """The state dict of ``walk``'s skeleton over the ``staged`` copies."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, _Slot):
+        out: object = staged[obj.index]
+    elif isinstance(obj, _DTensorSlot):
+        src = obj.source
+        out = DTensor.from_local(staged[obj.index], src.device_mesh, src.placements,
+                                 run_check=False, shape=src.shape, stride=src.stride())
+    elif isinstance(obj, dict):
+        out = {k: rebuild(v, staged, memo) for k, v in obj.items()}
+    elif isinstance(obj, list):
+        out = [rebuild(v, staged, memo) for v in obj]
+    else:
+        out = copy.deepcopy(obj)
+    memo[id(obj)] = out
+    return out
+
+
+def layout(sources: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Each source's byte offset in a lease, and the bytes the lease needs."""
+    specs = [ItemSpec(str(i), t.dtype, tuple(t.shape), nbytes_of(t))
+             for i, t in enumerate(sources)]
+    offsets = [0] * len(sources)
+    end = 0
+    for p in place(specs):
+        if p.spec is not None:
+            offsets[int(p.spec.name)] = p.begin
+        end = p.end
+    return offsets, end
+
+
+def copy_into(
+    lease: Lease | None,
+    sources: list[torch.Tensor],
+    offsets: list[int],
+    cuda: CudaCopier | None,
+    ready: dict[int, object] | None,
+    own_storage: set[int] = frozenset(),
+) -> tuple[list[torch.Tensor], int]:
+    """Copy ``sources`` into ``lease`` at ``offsets``; return the copies and the bytes that did
+    not fit (staged in pageable memory instead). Gaps in the lease are zeroed.
+
+    Sources numbered in ``own_storage`` (DTensor locals) get a storage of their own: torch
+    pickles a DTensor whose local tensor sits at a storage offset as a plain tensor.
+    """
+    base = lease.storage() if lease is not None else None
+    staged: list[torch.Tensor] = []
+    gpu: list[Copy] = []
+    overflow = 0
+    filled: list[tuple[int, int]] = []
+    for i, src in enumerate(sources):
+        n = nbytes_of(src)
+        offset = offsets[i]
+        if lease is None or offset + n > lease.capacity or n == 0:
+            overflow += n
+            dst = torch.empty(src.shape, dtype=src.dtype)
+            staged.append(dst)
+            if n and src.is_cuda and cuda is not None:  # after the event, like the rest
+                gpu.append((src.device.index, dst.data_ptr(), src.data_ptr(), n))
+            elif n:
+                dst.copy_(src)
+            continue
+        if i in own_storage:
+            dst = torch.empty(0, dtype=src.dtype).set_(base[offset : offset + n], 0, src.shape)
+        else:
+            dst = torch.empty(0, dtype=src.dtype).set_(base, offset // src.element_size(),
+                                                       src.shape)
+        staged.append(dst)
+        filled.append((offset, n))
+        addr = lease.addr + offset
+        if src.is_cuda and cuda is not None:
+            gpu.append((src.device.index, addr, src.data_ptr(), n))
+        elif n < MEMMOVE_BYTES and src.device.type == "cpu" and src.is_contiguous():
+            ctypes.memmove(addr, src.data_ptr(), n)
+        else:
+            dst.copy_(src)
+    if lease is not None:
+        _zero_gaps(lease, filled)
+    if gpu:
+        cuda.copy(gpu, "d2h", after=ready)
+    return staged, overflow
+
+
+def _zero_gaps(lease: Lease, filled: list[tuple[int, int]]) -> None:
+    """Zero what no copy fills, up to the lease's capacity (padding, tail): no stale bytes."""
+    cursor = 0
+    for offset, n in sorted(filled):
+        if offset > cursor:
+            ctypes.memset(lease.addr + cursor, 0, offset - cursor)
+        cursor = max(cursor, offset + n)
+    if lease.capacity > cursor:
+        ctypes.memset(lease.addr + cursor, 0, lease.capacity - cursor)
