@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, cuda_copy, guard
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, cuda_copy, guard
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,15 +49,30 @@ def fresh_like(state: dict) -> dict:
             for k, v in state.items()}
 
 
+@pytest.fixture
+def engine_of():
+    """Engines of a given host cache size, closed (and checked for leaked leases) at the end."""
+    made = []
+
+    def make(size: str) -> Engine:
+        made.append(Engine(host_cache_size=size))
+        return made[-1]
+
+    yield make
+    for e in made:
+        assert e.live_leases() == 0
+        e.close()
+
+
 def test_cuda_python_is_used() -> None:
     assert cuda_copy.available(), "cuda-python (cuda.bindings) must be importable on GPU hosts"
 
 
 @pytest.mark.parametrize("cache", ["1GiB", "8MiB"], ids=["fits", "larger-than-cache"])
-def test_gpu_round_trip_bit_exact(tmp_path, cache: str) -> None:
+def test_gpu_round_trip_bit_exact(tmp_path, cache: str, engine_of) -> None:
     state = gpu_state()
     expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    writer = DataStatesWriter(host_cache_size=cache)
+    writer = DataStatesWriter(engine=engine_of(cache))
     resp = dcp.async_save(state, checkpoint_id=tmp_path / "ck", storage_writer=writer,
                           no_dist=True)
     resp.staging_completion.result()
@@ -65,13 +80,30 @@ def test_gpu_round_trip_bit_exact(tmp_path, cache: str) -> None:
     out = fresh_like(state)
     dcp.load(out, checkpoint_id=tmp_path / "ck", storage_reader=DataStatesReader(), no_dist=True)
     assert_same(out, expected)
-    writer.close()
 
 
-def test_mutation_after_staging_completion_is_not_saved(tmp_path) -> None:
+def test_fresh_default_writer_per_save_on_gpu(tmp_path) -> None:
+    """DCP's idiom: a new writer and reader per call, default arguments, 5 rounds."""
+    for i in range(5):
+        state = gpu_state(20 + i)
+        expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        resp = dcp.async_save(state, checkpoint_id=tmp_path / f"ck{i}",
+                              storage_writer=DataStatesWriter(), no_dist=True)
+        resp.staging_completion.result()
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype.itemsize > 1:
+                v.add_(1.0)  # after staging: must not reach the checkpoint
+        resp.upload_completion.result()
+        out = fresh_like(expected)
+        dcp.load(out, checkpoint_id=tmp_path / f"ck{i}", storage_reader=DataStatesReader(),
+                 no_dist=True)
+        assert_same(out, expected)
+
+
+def test_mutation_after_staging_completion_is_not_saved(tmp_path, engine_of) -> None:
     state = gpu_state(1)
     before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
-    writer = DataStatesWriter(host_cache_size="1GiB")
+    writer = DataStatesWriter(engine=engine_of("1GiB"))
     resp = dcp.async_save(state, checkpoint_id=tmp_path / "ck", storage_writer=writer,
                           no_dist=True)
     resp.staging_completion.result()
@@ -82,22 +114,24 @@ def test_mutation_after_staging_completion_is_not_saved(tmp_path) -> None:
     out = fresh_like(state)
     dcp.load(out, checkpoint_id=tmp_path / "ck", storage_reader=DataStatesReader(), no_dist=True)
     assert_same({k: out[k] for k in before}, before)
-    writer.close()
 
 
-def test_guard_blocks_step_until_snapshot_is_safe(tmp_path) -> None:
+@pytest.mark.parametrize("fresh", [False, True], ids=["kept-writer", "fresh-writer"])
+def test_guard_blocks_step_until_snapshot_is_safe(tmp_path, engine_of, fresh: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192, bias=False) for _ in range(8)])
     model = model.cuda()  # 8 x 256 MiB of fp32 parameters: the copy takes tens of ms
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    writer = DataStatesWriter(host_cache_size="3GiB")
-    handle = guard(opt, writer)
-    writer.wait_ready()  # the cache is pinned in the background: wait before timing anything
+    engine = engine_of("3GiB")
+    engine.reserve(2 << 30).release()  # map and pin the cache before timing anything
+    writer = DataStatesWriter(engine=engine)
+    handle = guard(opt, engine if fresh else writer)
     loss = model(torch.randn(4, 8192, device="cuda")).square().mean()
     loss.backward()
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     resp = dcp.async_save(model.state_dict(), checkpoint_id=tmp_path / "ck",
-                          storage_writer=writer, no_dist=True)
+                          storage_writer=DataStatesWriter(engine=engine) if fresh else writer,
+                          no_dist=True)
     assert not resp.staging_completion.done(), "snapshot finished before async_save returned"
     opt.step()  # no explicit wait: the guard must hold the step until the copies are done
     assert resp.staging_completion.done()
@@ -107,11 +141,10 @@ def test_guard_blocks_step_until_snapshot_is_safe(tmp_path) -> None:
     dcp.load(out, checkpoint_id=tmp_path / "ck", storage_reader=DataStatesReader(), no_dist=True)
     assert_same(out, saved)
     handle.remove()
-    writer.close()
 
 
-def test_back_to_back_async_saves_queue_safely(tmp_path) -> None:
-    writer = DataStatesWriter(host_cache_size="64MiB")
+def test_back_to_back_async_saves_queue_safely(tmp_path, engine_of) -> None:
+    writer = DataStatesWriter(engine=engine_of("64MiB"))
     states, responses = [], []
     for i in range(4):
         state = gpu_state(10 + i)
@@ -127,13 +160,12 @@ def test_back_to_back_async_saves_queue_safely(tmp_path) -> None:
         dcp.load(out, checkpoint_id=tmp_path / f"ck{i}", storage_reader=DataStatesReader(),
                  no_dist=True)
         assert_same(out, want)
-    writer.close()
 
 
-def test_sync_save_of_gpu_state_and_load_into_strided_gpu_target(tmp_path) -> None:
+def test_sync_save_of_gpu_state_and_load_into_strided_gpu_target(tmp_path, engine_of) -> None:
     state = {"w": torch.randn(512, 256, device="cuda")}
-    dcp.save(state, checkpoint_id=tmp_path / "ck", storage_writer=DataStatesWriter(
-        host_cache_size="64MiB"), no_dist=True)
+    dcp.save(state, checkpoint_id=tmp_path / "ck",
+             storage_writer=DataStatesWriter(engine=engine_of("64MiB")), no_dist=True)
     target = torch.zeros(256, 512, device="cuda").t()  # non-contiguous destination
     dcp.load({"w": target}, checkpoint_id=tmp_path / "ck", storage_reader=DataStatesReader(),
              no_dist=True)
