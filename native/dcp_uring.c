@@ -6,8 +6,8 @@
 #include <liburing.h>
 #include <sched.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/uio.h>
+#include <time.h>
 
 /* One piece in flight. */
 typedef struct {
@@ -19,13 +19,17 @@ typedef struct {
 typedef struct {
     struct io_uring ring;
     unsigned depth;
-    int broken;          /* a submission failed hard: SQ state unknown, refuse further use */
+    int broken;          /* submit, wait or unregister failed hard: refuse further use */
     dsu_slot *slots;     /* depth entries */
     unsigned *free_idx;  /* stack of free slot indices */
-    struct iovec *iov;   /* registered fixed buffers */
-    unsigned niov;
-    int nreg;            /* iovecs registered with the kernel (0 or niov) */
+    struct iovec *iov;   /* registered fixed buffers (nreg entries) */
+    unsigned nreg;
 } dsu_ring;
+
+int dsu_abi_version(void)
+{
+    return DSU_ABI_VERSION;
+}
 
 int dsu_create(unsigned depth, void **ring_out)
 {
@@ -67,61 +71,100 @@ void dsu_destroy(void *ring)
     free(r);
 }
 
-int dsu_register(void *ring, void *addr, size_t len)
+int dsu_set_buffers(void *ring, const dsu_buf *bufs, size_t n)
 {
     dsu_ring *r = ring;
-    if (!r || !addr || len == 0)
+    if (!r || (n > 0 && !bufs))
         return -EINVAL;
     if (r->broken)
         return -EBADFD;
-    size_t add = (len + DSU_MAX_PIECE - 1) / DSU_MAX_PIECE;
-    struct iovec *iov = realloc(r->iov, (r->niov + add) * sizeof(*iov));
-    if (!iov)
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (bufs[i].addr == 0 || bufs[i].nbytes == 0)
+            return -EINVAL;
+        count += (bufs[i].nbytes + DSU_MAX_PIECE - 1) / DSU_MAX_PIECE;
+        if (count > 65536) /* the kernel allows 16384 */
+            return -EINVAL;
+    }
+    struct iovec *iov = NULL;
+    if (count > 0 && !(iov = calloc(count, sizeof(*iov))))
         return -ENOMEM;
-    r->iov = iov;
-    unsigned old = r->niov;
-    for (size_t i = 0; i < add; i++) {
-        size_t off = i * DSU_MAX_PIECE;
-        iov[old + i].iov_base = (char *)addr + off;
-        iov[old + i].iov_len = len - off < DSU_MAX_PIECE ? len - off : DSU_MAX_PIECE;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        for (uint64_t off = 0; off < bufs[i].nbytes; off += DSU_MAX_PIECE) {
+            uint64_t left = bufs[i].nbytes - off;
+            iov[k].iov_base = (void *)(uintptr_t)(bufs[i].addr + off);
+            iov[k++].iov_len = left < DSU_MAX_PIECE ? left : DSU_MAX_PIECE;
+        }
     }
     if (r->nreg > 0) {
-        int ret = io_uring_unregister_buffers(&r->ring);
-        if (ret < 0)
-            return ret; /* old registration stays valid; the new buffer is just not added */
-        r->nreg = 0;
+        int ret;
+        do
+            ret = io_uring_unregister_buffers(&r->ring);
+        while (ret == -EINTR || ret == -EAGAIN);
+        if (ret < 0) {
+            r->broken = 1; /* the old set is still pinned: only dsu_destroy drops it now */
+            free(iov);
+            return ret;
+        }
     }
-    int ret = io_uring_register_buffers(&r->ring, iov, old + (unsigned)add);
-    if (ret == 0) {
-        r->niov = old + (unsigned)add;
-        r->nreg = (int)r->niov;
+    free(r->iov);
+    r->iov = NULL;
+    r->nreg = 0;
+    if (count == 0)
         return 0;
+    int ret = io_uring_register_buffers(&r->ring, iov, (unsigned)count);
+    if (ret < 0) {
+        free(iov);
+        return ret;
     }
-    /* Keep what worked before; the caller falls back to plain ops for the new buffer. */
-    if (old > 0 && io_uring_register_buffers(&r->ring, iov, old) == 0)
-        r->nreg = (int)old;
-    else
-        r->niov = 0;
-    return ret;
+    r->iov = iov;
+    r->nreg = (unsigned)count;
+    return 0;
 }
 
 int dsu_registered(void *ring)
 {
     dsu_ring *r = ring;
-    return r ? r->nreg : 0;
+    if (!r)
+        return -EINVAL;
+    return r->broken ? -EBADFD : (int)r->nreg;
 }
 
 /* Fixed-buffer index holding addr (and how many bytes of it from addr), or -1. */
 static int find_fixed(const dsu_ring *r, uint64_t addr, uint64_t *room)
 {
-    for (int i = 0; i < r->nreg; i++) {
+    for (unsigned i = 0; i < r->nreg; i++) {
         uint64_t base = (uint64_t)(uintptr_t)r->iov[i].iov_base;
         if (addr >= base && addr - base < r->iov[i].iov_len) {
             *room = base + r->iov[i].iov_len - addr;
-            return i;
+            return (int)i;
         }
     }
     return -1;
+}
+
+/* The next completion. Once the ring is broken (also when waiting itself fails: then *err gets
+ * the reason) it is polled with short naps instead, because callers must not return while
+ * anything they submitted is in flight. */
+static struct io_uring_cqe *next_cqe(dsu_ring *r, int64_t *err)
+{
+    static const struct timespec nap = {0, 100 * 1000};
+    for (;;) {
+        struct io_uring_cqe *cqe = NULL;
+        int ret = r->broken ? io_uring_peek_cqe(&r->ring, &cqe)
+                            : io_uring_wait_cqe(&r->ring, &cqe);
+        if (ret == 0 && cqe)
+            return cqe;
+        if (!r->broken && (ret == -EINTR || ret == -EAGAIN))
+            continue;
+        if (!r->broken) {
+            r->broken = 1;
+            if (!*err)
+                *err = ret < 0 ? ret : -EIO;
+        }
+        nanosleep(&nap, NULL);
+    }
 }
 
 static void prep_slot(dsu_ring *r, struct io_uring_sqe *sqe, int write, int fd, unsigned idx)
@@ -207,14 +250,8 @@ int64_t dsu_rw(void *ring, int write, int fd, const dsu_req *reqs, size_t n, siz
             continue;
         }
 
+        next_cqe(r, &err); /* wait for one; the loop below takes every completion that is in */
         struct io_uring_cqe *cqe;
-        int ret = io_uring_wait_cqe(&r->ring, &cqe);
-        if (ret == -EINTR || ret == -EAGAIN)
-            continue;
-        if (ret < 0) {
-            r->broken = 1; /* cannot reap: the ring must not be reused */
-            return err ? err : ret;
-        }
         unsigned head, seen = 0;
         io_uring_for_each_cqe(&r->ring, head, cqe) {
             seen++;
@@ -276,19 +313,15 @@ int dsu_fsync(void *ring, int fd)
     do
         ret = io_uring_submit(&r->ring);
     while (ret == -EINTR || ret == -EAGAIN);
-    if (ret < 0) {
+    if (ret < 0) { /* nothing was submitted */
         r->broken = 1;
         return ret;
     }
-    struct io_uring_cqe *cqe;
-    do
-        ret = io_uring_wait_cqe(&r->ring, &cqe);
-    while (ret == -EINTR || ret == -EAGAIN);
-    if (ret < 0) {
-        r->broken = 1;
-        return ret;
-    }
+    int64_t err = 0;
+    struct io_uring_cqe *cqe = next_cqe(r, &err);
     ret = cqe->res;
     io_uring_cqe_seen(&r->ring, cqe);
+    if (err)
+        return (int)err;
     return ret < 0 ? ret : 0;
 }

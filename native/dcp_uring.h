@@ -2,7 +2,8 @@
  *
  * Every function blocks until its work is done. A ring handle must not be used by two threads
  * at once; the Python side keeps one ring per concurrent caller. All functions return 0 (or a
- * count) on success and -errno on failure.
+ * count) on success and -errno on failure. A ring whose state a failure left unknown is marked
+ * broken: every later call on it returns -EBADFD, and only dsu_destroy is left to do.
  */
 #ifndef DCP_URING_H
 #define DCP_URING_H
@@ -15,6 +16,9 @@ extern "C" {
 #endif
 
 #define DSU_API __attribute__((visibility("default")))
+
+/* Bumped on every change of this interface; dcp_datastates refuses a shim of another version. */
+#define DSU_ABI_VERSION 2
 
 /* Returned by dsu_rw when a read meets end of file before the request is complete.
  * It is outside the errno range (errno values are < 4096), so it cannot be confused with one. */
@@ -30,29 +34,41 @@ typedef struct {
     uint64_t offset;
 } dsu_req;
 
+/* One buffer to register: [addr, addr + nbytes). */
+typedef struct {
+    uint64_t addr;
+    uint64_t nbytes;
+} dsu_buf;
+
+/* DSU_ABI_VERSION of the built shim. */
+DSU_API int dsu_abi_version(void);
+
 /* Create a ring with `depth` submission entries (the maximum number of I/Os in flight). */
 DSU_API int dsu_create(unsigned depth, void **ring_out);
 
 /* Tear the ring down (releases its buffer registrations). NULL is accepted. */
 DSU_API void dsu_destroy(void *ring);
 
-/* Add [addr, addr+len) to the ring's fixed buffers (split into <= 1 GiB iovecs). The whole set
- * is re-registered, so only call it while the ring is idle. On failure the ring keeps no fixed
- * buffers (the previous set is dropped) and dsu_rw falls back to plain READ/WRITE. */
-DSU_API int dsu_register(void *ring, void *addr, size_t len);
+/* Make `bufs` (n entries, each split into <= 1 GiB iovecs) the ring's whole fixed-buffer set,
+ * replacing the previous one; n == 0 empties it. Only call it while the ring is idle. Returns 0
+ * or -errno; on failure the ring holds no fixed buffers (dsu_rw then uses plain READ/WRITE for
+ * everything), or, where the old set could not be dropped, the ring is broken. */
+DSU_API int dsu_set_buffers(void *ring, const dsu_buf *bufs, size_t n);
 
-/* Number of fixed-buffer iovecs currently registered (0 if registration failed). */
+/* Number of fixed-buffer iovecs the ring holds, or -EBADFD once it is broken (a failure left
+ * its state unknown: destroy it). */
 DSU_API int dsu_registered(void *ring);
 
 /* Perform every request (write != 0: memory -> file, else file -> memory). Requests are split
  * into pieces of at most max_io bytes (0: DSU_MAX_PIECE), at most `depth` pieces are in flight,
  * pieces inside a registered buffer use READ_FIXED/WRITE_FIXED, short transfers are resubmitted.
  * Zero-length requests are ignored. Returns 0, DSU_EOF, or -errno of the first failure; on
- * failure no new pieces are issued and everything in flight is reaped before returning. */
+ * failure no new pieces are issued. It never returns while a piece it submitted is in flight:
+ * where waiting for completions fails, the ring is marked broken and polled until all are in. */
 DSU_API int64_t dsu_rw(void *ring, int write, int fd, const dsu_req *reqs, size_t n,
                        size_t max_io);
 
-/* fsync(fd) through IORING_OP_FSYNC. */
+/* fsync(fd) through IORING_OP_FSYNC; like dsu_rw, it returns only once the fsync completed. */
 DSU_API int dsu_fsync(void *ring, int fd);
 
 #ifdef __cplusplus

@@ -1,14 +1,12 @@
 """File I/O engines: io_uring through a C shim, with a thread-pool fallback.
 
-``get_backend()`` picks one; the environment variable ``DCP_DATASTATES_IO`` (``auto``, ``uring``
-or ``threads``) overrides the name passed in.
+:func:`make_backend` builds one; the environment variable ``DCP_DATASTATES_IO`` (``auto``,
+``uring`` or ``threads``) overrides the name passed in.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 
 from .base import ALIGN, IOBackend, IOReq
 from .threads import ThreadPoolBackend
@@ -16,23 +14,19 @@ from .uring import UringBackend, UringUnavailable
 
 __all__ = [
     "ALIGN",
+    "BACKENDS",
+    "ENV_VAR",
     "IOBackend",
     "IOReq",
     "ThreadPoolBackend",
     "UringBackend",
     "UringUnavailable",
     "check_backend_name",
-    "get_backend",
+    "make_backend",
 ]
-
-log = logging.getLogger("dcp_datastates")
 
 BACKENDS = ("auto", "uring", "threads")
 ENV_VAR = "DCP_DATASTATES_IO"
-
-_cache: dict[str, IOBackend] = {}
-_lock = threading.Lock()
-_announced = False
 
 
 def check_backend_name(name: str) -> str:
@@ -42,45 +36,22 @@ def check_backend_name(name: str) -> str:
     return name
 
 
-def get_backend(name: str = "auto") -> IOBackend:
-    """The shared backend called ``name`` (``$DCP_DATASTATES_IO`` wins when set).
+def make_backend(name: str = "auto") -> tuple[IOBackend, str]:
+    """A new backend called ``name`` (``$DCP_DATASTATES_IO`` wins when set) and a one-line
+    message describing the choice, for the caller to log once; the caller closes the backend.
 
-    ``auto`` prefers io_uring and falls back to threads, logging the choice once per process.
-    ``uring`` raises :class:`UringUnavailable` (with the reason) when io_uring cannot be used.
+    ``auto`` prefers io_uring and falls back to threads. ``uring`` raises
+    :class:`UringUnavailable` (with the reason) when io_uring cannot be used.
     """
-    global _announced
-    name = (os.environ.get(ENV_VAR) or name).strip().lower()
-    check_backend_name(name)
-    with _lock:
-        if name in _cache:
-            return _cache[name]
-        backend: IOBackend
-        if name == "threads":
-            backend = ThreadPoolBackend()
-        elif name == "uring":
-            backend = UringBackend()
-        else:
-            try:
-                backend = UringBackend()
-                msg, level = "dcp_datastates: using the io_uring I/O backend", logging.INFO
-            except UringUnavailable as e:
-                backend = _cache.get("threads") or ThreadPoolBackend()
-                msg = f"dcp_datastates: {e.reason}; falling back to the thread-pool I/O backend"
-                level = logging.WARNING
-            if not _announced:
-                log.log(level, msg)
-                _announced = True
-        _cache[name] = backend
-        _cache.setdefault(backend.name, backend)
-        return backend
-
-
-def _reset() -> None:
-    """Close and forget cached backends and re-arm the one-time log (for tests)."""
-    global _announced
-    with _lock:
-        backends = {id(b): b for b in _cache.values()}.values()
-        _cache.clear()
-        _announced = False
-    for b in backends:
-        b.close()
+    env = os.environ.get(ENV_VAR)
+    name = check_backend_name(env or name).strip().lower()
+    why = f" ({ENV_VAR}={env})" if env else ""
+    if name == "threads":
+        return ThreadPoolBackend(), f"dcp_datastates: using the thread-pool I/O backend{why}"
+    try:
+        return UringBackend(), f"dcp_datastates: using the io_uring I/O backend{why}"
+    except UringUnavailable as e:
+        if name == "uring":
+            raise
+        msg = f"dcp_datastates: {e.reason}; falling back to the thread-pool I/O backend"
+        return ThreadPoolBackend(), msg

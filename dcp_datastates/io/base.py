@@ -30,7 +30,15 @@ class IOBackend(Protocol):
     name: str
 
     def register(self, addr: int, nbytes: int) -> None:
-        """Tell the backend about a long-lived buffer (the host cache) it may pre-register."""
+        """Tell the backend about a long-lived buffer (an engine arena) it may pre-register.
+
+        A registration the kernel refuses is logged; I/O on the buffer then works as on any
+        other memory."""
+
+    def unregister(self, addr: int, nbytes: int) -> None:
+        """Forget a buffer passed to :meth:`register`, before its memory is freed and with no
+        I/O in flight on it. Afterwards nothing of the backend refers to (or pins) the range,
+        so memory mapped later at the same address is never taken for the old buffer."""
 
     def write(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
         """Write every request in full."""
@@ -42,4 +50,4 @@ class IOBackend(Protocol):
         """Make the file's data durable."""
 
     def close(self) -> None:
-        """Release rings, threads and registrations."""
+        """Release rings, threads and registrations; call it with no I/O in flight."""

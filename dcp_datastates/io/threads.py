@@ -62,6 +62,9 @@ class ThreadPoolBackend:
     def register(self, addr: int, nbytes: int) -> None:
         """Nothing to pre-register for plain syscalls."""
 
+    def unregister(self, addr: int, nbytes: int) -> None:
+        """Nothing was registered."""
+
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import contextlib
 import ctypes
 import errno
 import logging
@@ -14,15 +13,17 @@ from pathlib import Path
 
 from .base import IOReq
 
-__all__ = ["UringBackend", "UringUnavailable", "shim_path"]
+__all__ = ["ABI_VERSION", "UringBackend", "UringUnavailable", "check_abi", "shim_path"]
 
 log = logging.getLogger("dcp_datastates")
 
+#: ``DSU_ABI_VERSION`` of native/dcp_uring.h that this module speaks.
+ABI_VERSION = 2
 #: Returned by ``dsu_rw`` when a read meets end of file (``DSU_EOF`` in native/dcp_uring.h).
 _DSU_EOF = -65536
 _DISABLED_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
-_libs: dict[str, ctypes.CDLL] = {}
-_libs_lock = threading.Lock()
+
+_Buf = tuple[int, int]  # addr, nbytes
 
 
 class UringUnavailable(RuntimeError):
@@ -41,28 +42,37 @@ def shim_path() -> Path:
     return Path(__file__).resolve().parent.parent / "_lib" / "libdcp_uring.so"
 
 
+def check_abi(lib: object, path: Path | str) -> None:
+    """Raise :class:`UringUnavailable` unless ``lib`` (the loaded shim at ``path``) reports
+    ``dsu_abi_version() == ABI_VERSION``; a shim without that function is version 1."""
+    version_fn = getattr(lib, "dsu_abi_version", None)
+    version = 1 if version_fn is None else int(version_fn())
+    if version != ABI_VERSION:
+        raise UringUnavailable(
+            f"shim {path} has ABI version {version}, this package needs {ABI_VERSION}; rebuild it"
+        )
+
+
 def _load(path: Path) -> ctypes.CDLL:
-    """Load the shim once per path and declare its signatures."""
-    key = str(path)
-    with _libs_lock:
-        if key in _libs:
-            return _libs[key]
-        if not path.is_file():
-            raise UringUnavailable(f"shim {path} not found (build it with CMake)")
-        try:
-            lib = ctypes.CDLL(key)
-        except OSError as e:
-            raise UringUnavailable(f"cannot load shim {path}: {e}") from e
-        vp, c_int = ctypes.c_void_p, ctypes.c_int
-        lib.dsu_create.argtypes, lib.dsu_create.restype = [ctypes.c_uint, ctypes.POINTER(vp)], c_int
-        lib.dsu_destroy.argtypes, lib.dsu_destroy.restype = [vp], None
-        lib.dsu_register.argtypes, lib.dsu_register.restype = [vp, vp, ctypes.c_size_t], c_int
-        lib.dsu_registered.argtypes, lib.dsu_registered.restype = [vp], c_int
-        lib.dsu_rw.argtypes = [vp, c_int, c_int, vp, ctypes.c_size_t, ctypes.c_size_t]
-        lib.dsu_rw.restype = ctypes.c_int64
-        lib.dsu_fsync.argtypes, lib.dsu_fsync.restype = [vp, c_int], c_int
-        _libs[key] = lib
-        return lib
+    """Load the shim, check its ABI version and declare its signatures."""
+    if not path.is_file():
+        raise UringUnavailable(f"shim {path} not found (build it with CMake)")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise UringUnavailable(f"cannot load shim {path}: {e}") from e
+    vp, c_int, c_size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    if hasattr(lib, "dsu_abi_version"):
+        lib.dsu_abi_version.argtypes, lib.dsu_abi_version.restype = [], c_int
+    check_abi(lib, path)
+    lib.dsu_create.argtypes, lib.dsu_create.restype = [ctypes.c_uint, ctypes.POINTER(vp)], c_int
+    lib.dsu_destroy.argtypes, lib.dsu_destroy.restype = [vp], None
+    lib.dsu_set_buffers.argtypes, lib.dsu_set_buffers.restype = [vp, vp, c_size], c_int
+    lib.dsu_registered.argtypes, lib.dsu_registered.restype = [vp], c_int
+    lib.dsu_rw.argtypes = [vp, c_int, c_int, vp, c_size, c_size]
+    lib.dsu_rw.restype = ctypes.c_int64
+    lib.dsu_fsync.argtypes, lib.dsu_fsync.restype = [vp, c_int], c_int
+    return lib
 
 
 def _check_sysctl() -> None:
@@ -76,18 +86,20 @@ def _check_sysctl() -> None:
 
 
 class _Ring:
-    """One native ring plus how many of the backend's buffers it has registered."""
+    """One native ring and the generation of the backend's buffer set it has registered."""
 
     def __init__(self, handle: int) -> None:
         self.handle = handle
-        self.nbufs = 0
+        self.gen = -1
 
 
 class UringBackend:
     """IOBackend over io_uring. One ring per concurrent caller, created lazily and kept in a pool.
 
     ``depth`` is the number of I/Os each call keeps in flight and ``max_io`` the largest single
-    I/O. Buffers passed to :meth:`register` become fixed buffers of every ring (best effort).
+    I/O. Buffers passed to :meth:`register` become fixed buffers of every ring: idle rings at
+    once, busy ones when their call returns. A buffer the kernel refuses (``RLIMIT_MEMLOCK``, an
+    unsuitable mapping) is logged once and served with plain reads and writes.
     """
 
     name = "uring"
@@ -96,9 +108,11 @@ class UringBackend:
         _check_sysctl()
         self._lib = _load(Path(shim) if shim is not None else shim_path())
         self.depth, self.max_io = depth, max_io
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards everything below and every ring in _idle
         self._idle: list[_Ring] = []
-        self._bufs: list[tuple[int, int]] = []
+        self._bufs: list[_Buf] = []  # what the owner registered, in order
+        self._plain: set[_Buf] = set()  # buffers the kernel refused to register
+        self._gen = 0  # bumped whenever _bufs changes
         self._pid = os.getpid()
         self._closed = False
         try:
@@ -110,6 +124,7 @@ class UringBackend:
             raise UringUnavailable(f"io_uring_queue_init failed: {e.strerror}{hint}") from e
         self._idle.append(ring)
 
+    # -- rings and their fixed buffers (the helpers before _acquire run with self._lock held) --
     def _new_ring(self) -> _Ring:
         handle = ctypes.c_void_p()
         ret = self._lib.dsu_create(self.depth, ctypes.byref(handle))
@@ -118,37 +133,113 @@ class UringBackend:
         assert handle.value is not None
         return _Ring(handle.value)
 
+    def _forget_if_forked(self) -> None:
+        """After fork() the rings are the parent's (shared kernel state): never touch them."""
+        if self._pid != os.getpid():
+            self._idle, self._pid = [], os.getpid()
+
+    def _set(self, ring: _Ring, bufs: list[_Buf]) -> int:
+        flat = array.array("Q", [v for buf in bufs for v in buf])
+        ptr = flat.buffer_info()[0] if bufs else None
+        return self._lib.dsu_set_buffers(ring.handle, ptr, len(bufs))
+
+    def _usable(self, ring: _Ring) -> bool:
+        return self._lib.dsu_registered(ring.handle) >= 0
+
+    def _sync(self, ring: _Ring) -> bool:
+        """Make ``ring``'s fixed buffers the current set; False if the ring is broken."""
+        if ring.gen != self._gen:
+            want = [b for b in dict.fromkeys(self._bufs) if b not in self._plain]
+            if self._set(ring, want) < 0 and self._usable(ring):
+                self._set_one_by_one(ring, want)
+            ring.gen = self._gen
+        return self._usable(ring)
+
+    def _set_one_by_one(self, ring: _Ring, want: list[_Buf]) -> None:
+        """Find the buffers the kernel refuses: each is logged once and served by plain ops."""
+        ok: list[_Buf] = []
+        ret = 0
+        for buf in want:
+            ret = self._set(ring, [*ok, buf])
+            if not self._usable(ring):
+                return
+            if ret < 0:
+                self._plain.add(buf)
+                hint = " (raise RLIMIT_MEMLOCK: ulimit -l)" if ret == -errno.ENOMEM else ""
+                log.warning(
+                    "dcp_datastates: io_uring cannot register the buffer at %#x (%d bytes): "
+                    "%s%s; its I/O uses plain reads and writes",
+                    buf[0], buf[1], os.strerror(-ret), hint,
+                )
+            else:
+                ok.append(buf)
+        if ret < 0 and ok:  # a failed call leaves the ring without fixed buffers
+            self._set(ring, ok)
+
+    def _sync_idle(self) -> None:
+        for ring in list(self._idle):
+            if not self._sync(ring):
+                self._idle.remove(ring)
+                self._lib.dsu_destroy(ring.handle)
+
     def _acquire(self) -> _Ring:
         with self._lock:
             if self._closed:
                 raise RuntimeError("UringBackend is closed")
-            if self._pid != os.getpid():  # forked: the parent's rings are not ours to use
-                self._idle, self._pid = [], os.getpid()
-            ring = self._idle.pop() if self._idle else None
-            bufs = list(self._bufs)
-        if ring is None:
+            self._forget_if_forked()
+            while self._idle:
+                ring = self._idle.pop()
+                if self._sync(ring):
+                    return ring
+                self._lib.dsu_destroy(ring.handle)
             ring = self._new_ring()
-        for addr, nbytes in bufs[ring.nbufs :]:
-            ret = self._lib.dsu_register(ring.handle, addr, nbytes)
-            if ret < 0:
-                log.debug(
-                    "io_uring buffer registration failed (%s); using plain ops", os.strerror(-ret)
-                )
-        ring.nbufs = len(bufs)
-        return ring
+            self._sync(ring)  # a fresh ring is not broken
+            return ring
 
     def _release(self, ring: _Ring, ok: bool) -> None:
         with self._lock:
-            if ok and not self._closed and self._pid == os.getpid():
+            mine = self._pid == os.getpid()
+            if ok and mine and not self._closed and self._sync(ring):
                 self._idle.append(ring)
                 return
         self._lib.dsu_destroy(ring.handle)  # after an error the ring is not trusted again
 
+    # -- IOBackend ------------------------------------------------------------------------------
     def register(self, addr: int, nbytes: int) -> None:
-        """Register ``[addr, addr+nbytes)`` as a fixed buffer of every ring (lazily)."""
-        if nbytes > 0:
-            with self._lock:
-                self._bufs.append((addr, nbytes))
+        """Make ``[addr, addr+nbytes)`` a fixed buffer of every ring (idle ones now)."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("UringBackend is closed")
+            self._forget_if_forked()
+            self._bufs.append((addr, nbytes))
+            self._gen += 1
+            self._sync_idle()
+
+    def unregister(self, addr: int, nbytes: int) -> None:
+        """Drop a registered buffer from every idle ring now (busy rings drop it before their
+        next use). Call it with no I/O in flight on the buffer, before freeing its memory."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            if self._closed:
+                return  # close() dropped every registration
+            self._forget_if_forked()
+            try:
+                self._bufs.remove((addr, nbytes))
+            except ValueError:
+                raise ValueError(f"buffer {addr:#x} ({nbytes} bytes) is not registered") from None
+            if (addr, nbytes) not in self._bufs:
+                self._plain.discard((addr, nbytes))
+            self._gen += 1
+            self._sync_idle()
+
+    def registered_buffers(self) -> int:
+        """Fixed-buffer iovecs (one per started GiB of a buffer) the idle rings hold, summed."""
+        with self._lock:
+            self._forget_if_forked()
+            return sum(max(0, self._lib.dsu_registered(r.handle)) for r in self._idle)
 
     def _rw(self, write: bool, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
         flat = array.array("Q")
@@ -194,16 +285,13 @@ class UringBackend:
             raise OSError(-ret, f"fsync failed: {os.strerror(-ret)}", path)
 
     def close(self) -> None:
-        """Destroy idle rings (busy ones are destroyed when their call returns)."""
+        """Destroy the rings and forget every registration. Call it with no I/O in flight (a
+        call still running destroys its ring when it returns)."""
         with self._lock:
             self._closed = True
             rings, self._idle = self._idle, []
-            self._bufs = []
+            self._bufs, self._plain = [], set()
             mine = self._pid == os.getpid()
         if mine:
             for ring in rings:
                 self._lib.dsu_destroy(ring.handle)
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # half-built object or interpreter shutdown
-            self.close()

@@ -1,0 +1,118 @@
+"""Fault-injecting I/O backends, passed to the code under test through its constructor."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from dcp_datastates.io import ALIGN, IOBackend, IOReq
+
+
+class FaultyBackend:
+    """An IOBackend wrapping a real one (``inner``, which it closes) that injects faults.
+
+    - ``fail_write_after=N``: the first N write calls succeed, every later one raises
+      ``OSError(errno_, ..., path)`` (``errno.EIO``, ``errno.ENOSPC``, ...); likewise
+      ``fail_read_after`` for reads. ``fail_fsync`` makes every fsync fail that way.
+    - ``short_writes``: each request is written in two parts, by separate calls, second part
+      first (split at a 4 KiB multiple on an O_DIRECT descriptor); a failing write first writes
+      the first parts, leaving a torn file as a real failing disk may.
+    - ``delay_s``: every write sleeps first (a slow disk).
+    - ``gate``: writes wait until it is set; ``gated=True`` starts it cleared.
+      ``write_started`` is set as soon as a write call arrives (before the gate).
+
+    It counts calls (``writes``, ``reads``, ``fsyncs``) and records registrations, so a test
+    can assert that every registered buffer was unregistered (``live_buffers() == []``).
+    """
+
+    def __init__(
+        self,
+        inner: IOBackend,
+        *,
+        fail_write_after: int | None = None,
+        fail_read_after: int | None = None,
+        errno_: int = errno.EIO,
+        short_writes: bool = False,
+        delay_s: float = 0.0,
+        fail_fsync: bool = False,
+        gated: bool = False,
+    ) -> None:
+        self.inner = inner
+        self.name = f"faulty({inner.name})"
+        self.fail_write_after, self.fail_read_after = fail_write_after, fail_read_after
+        self.errno_, self.short_writes = errno_, short_writes
+        self.delay_s, self.fail_fsync = delay_s, fail_fsync
+        self.gate = threading.Event()
+        if not gated:
+            self.gate.set()
+        self.write_started = threading.Event()
+        self.writes = self.reads = self.fsyncs = 0
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[tuple[int, int]] = []
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def _error(self, op: str, path: str) -> OSError:
+        return OSError(self.errno_, f"{op} failed: {os.strerror(self.errno_)} (injected)", path)
+
+    def register(self, addr: int, nbytes: int) -> None:
+        with self._lock:
+            self.registered.append((addr, nbytes))
+        self.inner.register(addr, nbytes)
+
+    def unregister(self, addr: int, nbytes: int) -> None:
+        with self._lock:
+            self.unregistered.append((addr, nbytes))
+        self.inner.unregister(addr, nbytes)
+
+    def live_buffers(self) -> list[tuple[int, int]]:
+        """Buffers registered and not unregistered since."""
+        with self._lock:
+            return list((Counter(self.registered) - Counter(self.unregistered)).elements())
+
+    def write(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
+        self.write_started.set()
+        self.gate.wait()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with self._lock:
+            self.writes += 1
+            fail = self.fail_write_after is not None and self.writes > self.fail_write_after
+        if not self.short_writes:
+            if fail:
+                raise self._error("write", path)
+            self.inner.write(fd, path, reqs)
+            return
+        align = ALIGN if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT else 1
+        cuts = [(r, r.nbytes // 2 // align * align) for r in reqs]
+        first = [IOReq(r.addr, c, r.offset) for r, c in cuts]
+        rest = [IOReq(r.addr + c, r.nbytes - c, r.offset + c) for r, c in cuts]
+        if fail:
+            self.inner.write(fd, path, first)
+            raise self._error("write", path)
+        self.inner.write(fd, path, rest)
+        self.inner.write(fd, path, first)
+
+    def read(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
+        with self._lock:
+            self.reads += 1
+            fail = self.fail_read_after is not None and self.reads > self.fail_read_after
+        if fail:
+            raise self._error("read", path)
+        self.inner.read(fd, path, reqs)
+
+    def fsync(self, fd: int, path: str) -> None:
+        with self._lock:
+            self.fsyncs += 1
+        if self.fail_fsync:
+            raise self._error("fsync", path)
+        self.inner.fsync(fd, path)
+
+    def close(self) -> None:
+        self.closed = True
+        self.inner.close()
