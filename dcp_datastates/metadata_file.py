@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -53,18 +53,36 @@ _SAFE_GLOBALS = [
 ]
 
 
+_ALLOWED = {(c.__module__, c.__qualname__): c for c in _SAFE_GLOBALS} | {
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata classes, torch dtypes and sizes, and nothing else."""
+
+    def find_class(self, module: str, name: str) -> object:
+        allowed = _ALLOWED.get((module, name))
+        if allowed is None and module == "torch" and isinstance(getattr(torch, name, None),
+                                                                torch.dtype):
+            allowed = getattr(torch, name)
+        if allowed is None:
+            raise pickle.UnpicklingError(
+                f"WeightsUnpickler error: {module}.{name} is not allowed in checkpoint metadata")
+        return allowed
+
+
 def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
     """Write ``directory/.metadata`` atomically: a temp name unique to the save (``token``),
     fsync, rename, fsync the directory."""
     if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
         metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
-    buf = io.BytesIO()
-    torch.save(metadata, buf)
+    data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
     final = directory / METADATA_NAME
     tmp = directory / f"{METADATA_NAME}.tmp.{token}"
     try:
         with open(tmp, "xb") as f:
-            f.write(buf.getbuffer())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -83,8 +101,14 @@ def read_metadata(directory: Path) -> Metadata:
             f"failed save leaves none)"
         )
     try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            metadata = torch.load(path, weights_only=True)
+        with open(path, "rb") as f:
+            head = f.read(2)
+            f.seek(0)
+            if head == b"PK":  # written by torch.save (dcp_datastates 0.1.0)
+                with torch.serialization.safe_globals(_SAFE_GLOBALS):
+                    metadata = torch.load(f, weights_only=True)
+            else:
+                metadata = _MetadataUnpickler(f).load()
     except Exception as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         first = lines[0] if lines else ""

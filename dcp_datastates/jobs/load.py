@@ -346,7 +346,8 @@ class _OpenFiles:
             direct_fd = None
             if self.direct and not memory_backed(self.directory):
                 try:
-                    direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
+                    direct_fd = os.open(
+                        path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
                 except OSError:
                     direct_fd = None  # the file system refuses O_DIRECT: buffered reads only
             self._files[loc.file] = _File(fd, st.st_size, direct_fd)
