@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
+import stat
 import sys
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -230,7 +232,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for name in sorted(by_file):
             cs = sorted(by_file[name], key=lambda c: c.loc.offset)
             try:
-                fd = os.open(path / name, os.O_RDONLY | os.O_CLOEXEC)
+                fd = _open_data(path / name)
             except OSError as exc:
                 problems += [f"{_where(c)}: data file missing or unreadable "
                              f"({exc.strerror})" for c in cs]
@@ -259,14 +261,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 # -- export -------------------------------------------------------------------------------------
+def _open_data(path: Path) -> int:
+    """Open a data file for reading: no symlinks, and a regular file (a FIFO must not hang)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _read_chunk(path: Path, c: _Chunk, fds: dict[str, int], verify: bool) -> torch.Tensor:
     """A stored chunk's bytes as a uint8 tensor, checked against its checksums."""
     loc = c.loc
     if loc.file not in fds:
         try:
-            fds[loc.file] = os.open(path / loc.file, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{path}: {_where(c)}: data file missing") from None
+            fds[loc.file] = _open_data(path / loc.file)
+        except OSError as exc:
+            raise CheckpointCorruptError(
+                f"{path}: {_where(c)}: data file missing or unusable ({exc.strerror})") from None
     buf = torch.empty(loc.length, dtype=torch.uint8)
     mem = memoryview(buf.numpy()).cast("B")
     if _pread_into(fds[loc.file], mem, loc.offset) != loc.length:

@@ -61,6 +61,10 @@ def existing_ancestor(path: Path) -> Path:
 def check_direct_io(directory: Path) -> None:
     """Raise ValueError, naming the path and file system, where O_DIRECT files cannot be made."""
     where = existing_ancestor(directory)
+    if memory_backed(where):
+        raise ValueError(
+            f"direct_io=True but {where} is on {fs_name(where)}, a memory file system where "
+            f"O_DIRECT bypasses nothing; pass direct_io=None (use it where it helps) or False")
     probe = where / f".dcp_datastates_probe_{uuid.uuid4().hex}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)

@@ -268,6 +268,7 @@ class Engine:
     # -- executors ------------------------------------------------------------------------------
     def submit(self, fn: Callable, *args: object):
         """Run ``fn(*args)`` on the I/O threads."""
+        self._check_open()
         return self.io_pool.submit(fn, *args)
 
     # -- lifetime -------------------------------------------------------------------------------

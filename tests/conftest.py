@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from dcp_datastates import DataStatesWriter, cli
+from dcp_datastates import DataStatesWriter, Engine, cli
 from dcp_datastates.metadata_file import read_metadata
 
 pytestmark = [
@@ -37,11 +37,10 @@ def _state() -> dict:
 
 
 def _save(state: dict, path: Path) -> Path:
-    writer = DataStatesWriter(host_cache_size="16MiB", io_backend="threads")
-    try:
+    with Engine(host_cache_size="16MiB", io_backend="threads") as engine:
+        writer = DataStatesWriter(engine=engine)
         dcp.save(state, checkpoint_id=path, storage_writer=writer, no_dist=True)
-    finally:
-        writer.close()
+        assert engine.live_leases() == 0
     return path
 
 
@@ -142,6 +141,18 @@ def test_verify_truncated_and_missing(
     assert f"file {f.name}" in err and "missing" in err
 
 
+def test_verify_refuses_a_symlinked_data_file(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify agrees with a load, which refuses a link planted under a data file's name."""
+    bad = _copy(ckpt, tmp_path / "bad")
+    f = _data_file(bad)
+    f.rename(tmp_path / "elsewhere")
+    f.symlink_to(tmp_path / "elsewhere")
+    code, _, err = _main(capsys, "verify", "-q", str(bad))
+    assert code == 1 and f"file {f.name}" in err
+
+
 # -- export -------------------------------------------------------------------------------------
 def test_export_single_file(ckpt: Path, tmp_path: Path) -> None:
     res = _run("export", str(ckpt), str(tmp_path / "hf"), "--prefix", "model.")
@@ -196,11 +207,8 @@ def _rank_save(rank: int, store_path: str, ckpt: str) -> None:
             "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
             "rep": distribute_tensor(full["rep"], mesh, [Replicate()]),
         }}
-        writer = DataStatesWriter(host_cache_size="16MiB", io_backend="threads")
-        try:
-            dcp.save(state, checkpoint_id=ckpt, storage_writer=writer)
-        finally:
-            writer.close()
+        with Engine(host_cache_size="16MiB", io_backend="threads") as engine:
+            dcp.save(state, checkpoint_id=ckpt, storage_writer=DataStatesWriter(engine=engine))
     finally:
         dist.destroy_process_group()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import gc
-import itertools
+import os
 import re
-import time
+import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -20,19 +20,24 @@ from conftest import (
     assert_state_equal,
     clone_state,
     data_files,
-    join_init_threads,
     load_into,
     raises_in_dcp,
     rand_tensor,
     save,
 )
+from fakes import FaultyBackend
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-import dcp_datastates.writer as writer_mod
-from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter
-from dcp_datastates.io import get_backend
+from dcp_datastates import CheckpointCorruptError, DataStatesWriter, Engine
+from dcp_datastates.directory import LOCK_NAME
+from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.metadata_file import read_metadata, write_metadata
+
+try:
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+except ImportError:  # older torch: the version its own writer stamps
+    CURRENT_DCP_VERSION = "1.0.0"
 
 MiB = 1 << 20
 
@@ -63,7 +68,9 @@ def test_save_into_existing_checkpoint_needs_overwrite(tmp_path: Path, make_writ
     directory, old = _checkpoint(tmp_path, make_writer)
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
     with raises_in_dcp(
-        FileExistsError, rf"{re.escape(str(directory))} already holds a checkpoint.*overwrite=True"
+        RuntimeError,
+        rf"Checkpoint already exists and overwrite=False: {re.escape(str(directory))} .*"
+        r"overwrite=True",
     ):
         save(_state(seed=5), directory, make_writer())
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
@@ -81,7 +88,9 @@ def test_overwrite_replaces_checkpoint_and_removes_old_files(
     (new_file,) = data_files(directory)
     assert new_file.name != old_file.name and not old_file.exists()
     assert {loc.file for loc in _locations(directory).values()} == {new_file.name}
-    assert sorted(p.name for p in directory.iterdir()) == sorted([".metadata", new_file.name])
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [".metadata", LOCK_NAME, new_file.name]
+    )
     assert_state_equal(load_into(expected, directory, io_backend=io_backend), expected)
 
 
@@ -123,7 +132,7 @@ def test_metadata_pointing_outside_the_directory(tmp_path: Path, make_writer) ->
     metadata.storage_data[index] = dataclasses.replace(
         metadata.storage_data[index], file="../" + data_files(directory)[0].name
     )
-    write_metadata(directory, metadata)
+    write_metadata(directory, metadata, "test")
     with raises_in_dcp(BaseException, r"item 'w' has an invalid location"):
         load_into(old, directory)
 
@@ -189,6 +198,37 @@ def test_flipped_byte_loads_without_verification(tmp_path: Path, make_writer) ->
     assert_state_equal(loaded, expected)
 
 
+# -- a data file replaced by a symbolic link -----------------------------------------------------
+def test_symlink_at_a_data_file_name_is_refused(
+    tmp_path: Path, make_writer, io_backend: str
+) -> None:
+    """Data files are opened with O_NOFOLLOW: a link planted under a data file's name is not
+    followed, even to a file with the very bytes that were saved."""
+    directory, old = _checkpoint(tmp_path, make_writer)
+    (file,) = data_files(directory)
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    file.rename(elsewhere)
+    file.symlink_to(elsewhere)
+    assert file.is_symlink() and file.is_file()  # following the link would find a good file
+    with raises_in_dcp(
+        CheckpointCorruptError,
+        rf"checkpoint {re.escape(str(directory))}: cannot open data file {file.name} \(item "
+        rf"'.*' lives there\): .*{re.escape(os.strerror(errno.ELOOP))}",
+    ):
+        load_into(old, directory, io_backend=io_backend)
+    file.unlink()
+    elsewhere.rename(file)  # the real file back in place: the checkpoint loads
+    assert_state_equal(load_into(old, directory, io_backend=io_backend), old)
+
+
+# -- what a save stamps in .metadata -------------------------------------------------------------
+def test_metadata_version_is_stamped(tmp_path: Path, make_writer) -> None:
+    directory, old = _checkpoint(tmp_path, make_writer)
+    metadata = read_metadata(directory)
+    assert metadata.version == CURRENT_DCP_VERSION
+    assert CURRENT_DCP_VERSION == "1.0.0"
+
+
 # -- bad arguments -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("size", "message"),
@@ -201,29 +241,29 @@ def test_flipped_byte_loads_without_verification(tmp_path: Path, make_writer) ->
 )
 def test_bad_host_cache_size(size, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        DataStatesWriter(host_cache_size=size)
-    with pytest.raises(ValueError, match=message):
-        DataStatesReader(host_cache_size=size)
+        Engine(host_cache_size=size, io_backend="threads")
 
 
-def test_host_cache_size_type(tmp_path: Path) -> None:
+def test_host_cache_size_type() -> None:
     with pytest.raises(TypeError, match="host_cache_size must be an int or a string"):
-        DataStatesWriter(host_cache_size=1.5)
+        Engine(host_cache_size=1.5, io_backend="threads")
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"host_cache_size": "8KiB"}, r"host_cache_size must be at least 16 KiB, got 8192 bytes"),
-        ({"io_backend": "bogus"}, r"unknown I/O backend 'bogus'; valid names: auto, uring"),
+        ({"host_cache_size": "8KiB"}, r"host_cache_size must be at least 16 KiB, got '8KiB'"),
+        ({"host_cache_size": 8192}, r"host_cache_size must be at least 16 KiB, got 8192"),
+        ({"io_backend": "bogus"},
+         r"unknown I/O backend 'bogus'; valid names: auto, uring, threads"),
+        ({"io_workers": 0}, r"io_workers must be an integer >= 1, got 0"),
+        ({"io_workers": -3}, r"io_workers must be an integer >= 1, got -3"),
+        ({"io_workers": 2.0}, r"io_workers must be an integer >= 1, got 2\.0"),
     ],
 )
-def test_writer_rejects_bad_arguments_at_construction(kwargs: dict, message: str) -> None:
-    try:
-        with pytest.raises(ValueError, match=message):
-            DataStatesWriter(**{"host_cache_size": "1MiB", **kwargs}).close()
-    finally:
-        join_init_threads()
+def test_engine_rejects_bad_arguments_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Engine(**{"host_cache_size": "1MiB", "io_backend": "threads", **kwargs}).close()
 
 
 def test_reader_rejects_unknown_io_backend(tmp_path: Path, make_writer) -> None:
@@ -233,49 +273,97 @@ def test_reader_rejects_unknown_io_backend(tmp_path: Path, make_writer) -> None:
         load_into(old, directory, io_backend="bogus")
 
 
-def test_close_right_after_construction_frees_the_engine(monkeypatch) -> None:
-    """close() before the background cache allocation finished must not leak that cache."""
-    real_init = writer_mod._Engine.__init__
+def _tmpfs_dir() -> Path:
+    """A fresh directory on /dev/shm (skips the test where /dev/shm is not tmpfs)."""
+    with open("/proc/mounts") as f:
+        mounts = {fields[1]: fields[2] for fields in (line.split() for line in f)}
+    if mounts.get("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs mount here")
+    return Path(tempfile.mkdtemp(dir="/dev/shm", prefix="dcp_datastates_test_"))
 
-    def slow_init(self, *args, **kwargs):
-        time.sleep(0.2)  # allocating and pinning a large cache takes a while
-        real_init(self, *args, **kwargs)
 
-    monkeypatch.setattr(writer_mod._Engine, "__init__", slow_init)
-    writer = DataStatesWriter(host_cache_size="1MiB", io_backend="threads")
-    writer.close()
-    join_init_threads()
-    assert writer._engine is None  # no host cache or flush threads left behind
+def test_direct_io_on_tmpfs_is_refused_at_construction(make_engine) -> None:
+    directory = _tmpfs_dir()
+    try:
+        path = directory / "ckpt"
+        with pytest.raises(ValueError, match=rf"{re.escape(str(directory))}.*tmpfs"):
+            DataStatesWriter(path, engine=make_engine(io_backend="threads"), direct_io=True)
+        assert not path.exists()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_direct_io_on_tmpfs_is_refused_when_the_path_comes_with_the_save(make_writer) -> None:
+    directory = _tmpfs_dir()
+    try:
+        path = directory / "ckpt"
+        with raises_in_dcp(ValueError, rf"{re.escape(str(directory))}.*tmpfs"):
+            save(_state(), path, make_writer(direct_io=True))
+        assert not (path / ".metadata").exists()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# -- the engine's lifetime -----------------------------------------------------------------------
+def test_engine_close_frees_its_memory_and_refuses_further_use(
+    tmp_path: Path, make_engine
+) -> None:
+    engine = make_engine(host_cache_size="1MiB", io_backend="threads")
+    state = _state()
+    expected = clone_state(state)
+    dcp.async_save(state, checkpoint_id=tmp_path / "a",
+                   storage_writer=DataStatesWriter(engine=engine),
+                   no_dist=True).upload_completion.result(timeout=60)
+    assert engine.cache_bytes() > 0 and engine.live_leases() == 0
+    engine.close()
+    assert engine.cache_bytes() == 0 and engine.live_leases() == 0
+    engine.close()  # idempotent
+    closed = r"Engine is closed"
+    with pytest.raises(RuntimeError, match=closed):
+        engine.reserve(4096)
+    with pytest.raises(RuntimeError, match=closed):
+        _ = engine.bounce
+    with pytest.raises(RuntimeError, match=closed):
+        engine.new_save_job()
+    with raises_in_dcp(RuntimeError, closed):
+        save(state, tmp_path / "b", DataStatesWriter(engine=engine))
+    assert not (tmp_path / "b" / ".metadata").exists()
+    assert engine.cache_bytes() == 0
+    # The checkpoint saved before the close is whole.
+    assert_state_equal(load_into(expected, tmp_path / "a", io_backend="threads"), expected)
+
+
+def test_load_on_a_closed_engine_says_so(tmp_path: Path, make_writer, make_engine) -> None:
+    directory, old = _checkpoint(tmp_path, make_writer)
+    engine = make_engine(io_backend="threads")
+    engine.close()
+    with raises_in_dcp(RuntimeError, r"Engine is closed"):
+        load_into(old, directory, engine=engine)
 
 
 # -- a save that fails while writing -------------------------------------------------------------
-class _FailingWrites:
-    """Make the shared "threads" backend fail with EIO after ``ok`` successful writes."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.backend = get_backend("threads")
-        self.real = self.backend.write
-        self.monkeypatch = monkeypatch
-        self.calls = 0
-
-    def arm(self, ok: int) -> None:
-        counter = itertools.count()
-
-        def write(fd, path, reqs):
-            self.calls = next(counter) + 1
-            if self.calls > ok:
-                raise OSError(errno.EIO, "injected I/O error", path)
-            return self.real(fd, path, reqs)
-
-        self.monkeypatch.setattr(self.backend, "write", write)
-
-    def disarm(self) -> None:
-        self.monkeypatch.setattr(self.backend, "write", self.real)
-
-
 @pytest.fixture
-def failing_writes(monkeypatch: pytest.MonkeyPatch) -> _FailingWrites:
-    return _FailingWrites(monkeypatch)
+def faulty(make_engine):
+    """An engine writing through a FaultyBackend (disarmed: ``arm(ok)`` makes every write
+    after the next ``ok`` fail with EIO; ``disarm()`` makes writes succeed again)."""
+    backend = FaultyBackend(ThreadPoolBackend())
+    engine = make_engine(host_cache_size="4MiB", io_backend=backend, io_workers=4)
+    yield engine, backend
+    assert engine.live_leases() == 0, "a save kept host cache memory after it ended"
+    engine.close()
+    assert backend.live_buffers() == [], "the engine left a buffer registered after close"
+    backend.close()
+
+
+def arm(backend: FaultyBackend, ok: int) -> None:
+    backend.fail_write_after = backend.writes + ok
+
+
+def disarm(backend: FaultyBackend) -> None:
+    backend.fail_write_after = None
+
+
+INJECTED = r"\(injected\)"
 
 
 def _big_state(seed: int) -> dict:
@@ -290,22 +378,25 @@ def _big_state(seed: int) -> dict:
 
 @pytest.mark.parametrize("direct_io", [True, False])
 def test_failed_write_keeps_previous_checkpoint(
-    tmp_path: Path, make_writer, failing_writes: _FailingWrites, direct_io: bool
+    tmp_path: Path, make_writer, faulty, direct_io: bool
 ) -> None:
+    engine, backend = faulty
     directory = tmp_path / "ckpt"
     a = _big_state(seed=1)
     expected_a = clone_state(a)
     save(a, directory, make_writer())
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
 
-    writer = make_writer(overwrite=True, io_backend="threads", direct_io=direct_io)
+    writer = DataStatesWriter(engine=engine, overwrite=True, direct_io=direct_io)
     b = _big_state(seed=2)
     expected_b = clone_state(b)
-    failing_writes.arm(ok=2)
-    with raises_in_dcp(OSError, r"injected I/O error: .*__0_[0-9a-f]+\.safetensors"):
+    arm(backend, ok=1)  # a buffered save makes only 2 write calls (an O_DIRECT one, 10)
+    start = backend.writes
+    with raises_in_dcp(OSError, rf"{INJECTED}: .*__0_[0-9a-f]+\.safetensors"):
         save(b, directory, writer)
-    assert failing_writes.calls > 2, "the failure should come after some data was written"
-    failing_writes.disarm()
+    assert backend.writes - start > 1, "the failure should come after some data was written"
+    disarm(backend)
+    assert engine.live_leases() == 0
 
     # Nothing of B's remains; A is untouched and still loads.
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
@@ -313,11 +404,12 @@ def test_failed_write_keeps_previous_checkpoint(
 
     # A failed save into a fresh directory leaves no .metadata and no data file.
     fresh = tmp_path / "fresh"
-    failing_writes.arm(ok=1)
-    with raises_in_dcp(OSError, r"injected I/O error"):
+    arm(backend, ok=0)
+    with raises_in_dcp(OSError, INJECTED):
         save(b, fresh, writer)
-    failing_writes.disarm()
-    assert list(fresh.iterdir()) == []
+    disarm(backend)
+    assert [p.name for p in fresh.iterdir() if p.name != LOCK_NAME] == []
+    assert engine.live_leases() == 0
 
     # The same writer works again afterwards and replaces A with B.
     save(b, directory, writer)
@@ -325,23 +417,20 @@ def test_failed_write_keeps_previous_checkpoint(
     assert len(data_files(directory)) == 1
 
 
-def test_failed_async_save_releases_host_cache(
-    tmp_path: Path, make_writer, failing_writes: _FailingWrites
-) -> None:
-    """A failed flush gives its snapshot's cache back even while its error object is alive."""
-    writer = make_writer(host_cache_size="4MiB", io_backend="threads")
+def test_failed_async_save_releases_host_cache(tmp_path: Path, faulty) -> None:
+    """A failed flush gives its snapshot's cache back, even while its error object is alive."""
+    engine, backend = faulty
+    writer = DataStatesWriter(engine=engine)
     state = _big_state(seed=3)
     expected = clone_state(state)
-    failing_writes.arm(ok=1)
+    arm(backend, ok=1)
     first = dcp.async_save(state, checkpoint_id=tmp_path / "a", storage_writer=writer,
                            no_dist=True)
-    first_error = ""
-    try:
+    with pytest.raises(CheckpointException) as info:  # kept alive to the end of the test
         first.upload_completion.result(timeout=60)
-    except CheckpointException as e:  # keep only the text: the exception pins the snapshot
-        first_error = str(e)
-    failing_writes.disarm()
-    assert "injected I/O error" in first_error
+    disarm(backend)
+    assert re.search(INJECTED, str(info.value))
+    assert engine.live_leases() == 0
     assert not (tmp_path / "a" / ".metadata").exists() and data_files(tmp_path / "a") == []
 
     second = dcp.async_save(state, checkpoint_id=tmp_path / "b", storage_writer=writer,
@@ -352,18 +441,16 @@ def test_failed_async_save_releases_host_cache(
     except TimeoutError:
         staged_in_time = False
     finally:
-        # Unblock the stager whatever happened, so no thread is left waiting.
-        first = None
-        gc.collect()
-        deadline = time.monotonic() + 5
-        while not second.staging_completion.done() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not second.staging_completion.done():
-            for region in list(writer.engine.stager._by_addr.values()):
-                region.release()
-        second.upload_completion.result(timeout=60)
-    assert staged_in_time, "staging waited for cache regions that the failed save never freed"
+        if not staged_in_time:  # end the waiting save rather than leave its thread blocked
+            engine.close(timeout=1)
+        try:
+            second.upload_completion.result(timeout=60)
+        except Exception:
+            if staged_in_time:
+                raise
+    assert staged_in_time, "staging waited for cache memory that the failed save never freed"
     assert_state_equal(load_into(expected, tmp_path / "b"), expected)
+    assert info.value is not None
 
 
 def test_failed_save_on_one_thread_does_not_block_saves_on_another(
@@ -377,7 +464,7 @@ def test_failed_save_on_one_thread_does_not_block_saves_on_another(
     expected = clone_state(state)
     try:
         failed = saver.submit(save, _state(seed=8), directory, writer)  # no overwrite=True
-        with pytest.raises(CheckpointException, match="already holds a checkpoint"):
+        with pytest.raises(CheckpointException, match="Checkpoint already exists"):
             failed.result(timeout=60)
         second = other.submit(save, state, tmp_path / "fresh", writer)
         finished = True

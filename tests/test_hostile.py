@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -9,6 +10,8 @@ import os
 import pickle
 import re
 import struct
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcp_datastates import CheckpointCorruptError
+from dcp_datastates.directory import LOCK_NAME
 from dcp_datastates.file_format import (
     LARGE_ITEM_BYTES,
     MAX_HEADER_BYTES,
@@ -126,8 +130,16 @@ def test_plan_layout_headers_round_trip(specs: list[ItemSpec]) -> None:
         p = placed[spec.name]
         assert entry["data_offsets"] == [p.begin, p.end]
         assert p.end - p.begin == spec.nbytes
-        if spec.nbytes >= LARGE_ITEM_BYTES:
+        if spec.dtype is not None and spec.nbytes >= LARGE_ITEM_BYTES:
             assert (start + p.begin) % ALIGN == 0
+    # Bytes items (sizes known only once serialized) come after every tensor, the first of
+    # them starting on a block of its own, so they move no tensor.
+    raw = [placed[s.name] for s in specs if s.dtype is None]
+    tensors = [placed[s.name] for s in specs if s.dtype is not None]
+    if raw:
+        first = min(p.begin for p in raw)
+        assert (start + first) % ALIGN == 0
+        assert all(t.end <= first for t in tensors)
     pads = [k for k in header if k.startswith(PAD_PREFIX)]
     assert len(header) == 1 + len(specs) + len(pads)
 
@@ -192,21 +204,31 @@ def _replace_location(directory: Path, fqn: str, **changes: object) -> None:
     metadata = read_metadata(directory)
     index = next(i for i in metadata.storage_data if i.fqn == fqn)
     metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **changes)
-    write_metadata(directory, metadata)
+    write_metadata(directory, metadata, "test")
 
 
-class _Opened:
-    """Records every path ``os.open`` is asked for while active."""
+#: Path lists of the ``_opened()`` blocks now running: the audit hook records into each.
+_RECORDERS: list[list[str]] = []
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.paths: list[str] = []
-        real = os.open
 
-        def spy(path, *args, **kwargs):
-            self.paths.append(os.fspath(path))
-            return real(path, *args, **kwargs)
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and _RECORDERS and isinstance(args[0], (str, bytes, os.PathLike)):
+        for paths in _RECORDERS:
+            paths.append(os.fsdecode(args[0]))
 
-        monkeypatch.setattr(os, "open", spy)
+
+sys.addaudithook(_audit)  # audit hooks cannot be removed: it records only inside _opened()
+
+
+@contextlib.contextmanager
+def _opened() -> Iterator[list[str]]:
+    """Every path opened (``open``, ``os.open``, ... raise the ``open`` audit event) inside."""
+    paths: list[str] = []
+    _RECORDERS.append(paths)
+    try:
+        yield paths
+    finally:
+        _RECORDERS.remove(paths)
 
 
 @pytest.mark.parametrize(
@@ -214,17 +236,17 @@ class _Opened:
     ["../outside.safetensors", "/etc/passwd", "sub/../x.safetensors", "..", ".", "",
      "a\\..\\b", "x\0y", b"../outside.safetensors", None, 7],
 )
-def test_location_file_outside_the_directory(
-    checkpoint, bad_file: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_location_file_outside_the_directory(checkpoint, bad_file: object) -> None:
     directory, expected = checkpoint
     outside = directory.parent / "outside.safetensors"
     outside.write_bytes(data_files(directory)[0].read_bytes())  # a target that would "work"
     _replace_location(directory, "w", file=bad_file)
-    opened = _Opened(monkeypatch)
-    with raises_in_dcp(CheckpointCorruptError, r"item 'w' has an invalid location"):
+    with _opened() as paths, raises_in_dcp(
+        CheckpointCorruptError, r"item 'w' has an invalid location"
+    ):
         load_into(expected, directory)
-    assert not any(os.path.basename(p) in ("outside.safetensors", "passwd") for p in opened.paths)
+    assert any(p.endswith(".metadata") for p in paths), "the audit hook saw no open"
+    assert not any(os.path.basename(p) in ("outside.safetensors", "passwd") for p in paths)
 
 
 def test_location_file_with_non_utf8_name(checkpoint) -> None:
@@ -271,12 +293,34 @@ def test_location_numbers_are_checked(checkpoint, changes: dict, message: str) -
         load_into(expected, directory)
 
 
-def test_location_length_disagreeing_with_the_tensor(checkpoint) -> None:
+@pytest.mark.parametrize(
+    "verify",
+    [
+        pytest.param(True, id="verify-small"),
+        pytest.param(False, id="no_verify-small"),
+    ],
+)
+def test_location_length_disagreeing_with_the_tensor(checkpoint, verify: bool) -> None:
+    """``w`` (300 KiB) is read in a coalesced span of small items."""
     directory, expected = checkpoint
     loc = next(v for k, v in read_metadata(directory).storage_data.items() if k.fqn == "w")
     _replace_location(directory, "w", length=loc.length - 4)
     with raises_in_dcp(CheckpointCorruptError, r"item 'w'.*bytes stored for a torch.float32"):
-        load_into(expected, directory)
+        load_into(expected, directory, verify_checksums=verify)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_large_location_length_disagreeing_with_the_tensor(
+    tmp_path: Path, make_writer, verify: bool
+) -> None:
+    """A tensor over 1 MiB is read on its own (not in a span): the same check applies."""
+    directory = tmp_path / "ckpt"
+    state = {"w": rand_tensor((600, 1000), torch.float32, seed=2)}
+    save(state, directory, make_writer())
+    loc = next(v for k, v in read_metadata(directory).storage_data.items() if k.fqn == "w")
+    _replace_location(directory, "w", length=loc.length - 4)
+    with raises_in_dcp(CheckpointCorruptError, r"item 'w'.*bytes stored for a torch.float32"):
+        load_into(state, directory, verify_checksums=verify)
 
 
 def test_location_shifted_offset_fails_checksums(checkpoint) -> None:
@@ -344,7 +388,7 @@ def test_storage_data_that_is_not_a_mapping(checkpoint) -> None:
     directory, expected = checkpoint
     metadata = read_metadata(directory)
     metadata.storage_data = [1, 2]
-    write_metadata(directory, metadata)
+    write_metadata(directory, metadata, "test")
     with raises_in_dcp(CheckpointCorruptError, r"storage data is not a mapping"):
         load_into(expected, directory)
 
@@ -358,10 +402,12 @@ def test_hostile_state_names_round_trip(tmp_path: Path, make_writer) -> None:
     expected = clone_state(state)
     directory = tmp_path / "ckpt"
     save(state, directory, make_writer())
-    assert sorted(p.name for p in directory.iterdir())[0] == ".metadata"
+    (file,) = data_files(directory)
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [".metadata", LOCK_NAME, file.name]
+    )
     assert len(list(tmp_path.iterdir())) == 1  # nothing written outside
     assert_state_equal(load_into(expected, directory), expected)
-    (file,) = data_files(directory)
     content = file.read_bytes()
     read_header(content, str(file), len(content))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-import dcp_datastates.writer as writer_mod
-from dcp_datastates import CheckpointCorruptError, DataStatesReader
+from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter, Engine
+from dcp_datastates.checksums import BLOCK_BYTES
 from dcp_datastates.file_format import LARGE_ITEM_BYTES
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -282,7 +283,7 @@ def test_same_values_as_dcp_filesystem_writer(tmp_path: Path, make_writer) -> No
 
 
 def test_load_into_non_contiguous_and_offset_destinations(
-    tmp_path: Path, make_writer, io_backend: str
+    tmp_path: Path, make_writer, make_engine, io_backend: str
 ) -> None:
     src = rand_tensor((7, 5), torch.float64, seed=21)
     src2 = rand_tensor((7, 5), torch.int32, seed=22)
@@ -293,7 +294,9 @@ def test_load_into_non_contiguous_and_offset_destinations(
     dest = {"m": big.t(), "n": guard[10:45].view(7, 5)}
     assert not dest["m"].is_contiguous()
     dcp.load(
-        dest, checkpoint_id=tmp_path, storage_reader=DataStatesReader(io_backend=io_backend),
+        dest,
+        checkpoint_id=tmp_path,
+        storage_reader=DataStatesReader(engine=make_engine(io_backend=io_backend)),
         no_dist=True,
     )
     assert_bits_equal(big.t(), src)
@@ -322,62 +325,76 @@ class _SlicePlanner(DefaultLoadPlanner):
         return LoadPlan([item])
 
 
-def _read_slice(path: Path, offsets, lengths, dtype, verify=True, backend="threads"):
+def _read_slice(path: Path, offsets, lengths, dtype, engine: Engine, verify=True):
     dest = {"w": torch.full(lengths, 0x55, dtype=dtype)}
     dcp.load(
         dest,
         checkpoint_id=path,
-        storage_reader=DataStatesReader(io_backend=backend, verify_checksums=verify),
+        storage_reader=DataStatesReader(engine=engine, verify_checksums=verify),
         planner=_SlicePlanner("w", offsets, lengths),
         no_dist=True,
     )
     return dest["w"]
 
 
-def _multi_block_checkpoint(tmp_path: Path, make_writer, monkeypatch, io_backend: str):
-    monkeypatch.setattr(writer_mod, "BLOCK_BYTES", 4096)
-    src = rand_tensor((256, 32), torch.float32, seed=31)  # 128-byte rows, 32 KiB = 8 blocks
-    save({"w": src}, tmp_path, make_writer(io_backend=io_backend))
-    loc = next(iter(DataStatesReader(tmp_path).read_metadata().storage_data.values()))
-    assert loc.block == 4096 and len(loc.checksums) == 8
-    return src
+# A tensor spanning 4 checksum blocks (of the real 16 MiB: no module constant is patched):
+# 128-byte rows, ROWS rows per block, 64 MiB in all. Saved once per backend for the module.
+COLS = 32
+ROWS = BLOCK_BYTES // (COLS * 4)
+NBLOCKS = 4
 
 
-# Slices whose first byte is on a checksum-block boundary (block = 4096 bytes = 32 rows).
+@pytest.fixture(scope="module", params=BACKENDS)
+def multi_block(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(checkpoint dir, source tensor, engine of that backend) of a multi-block checkpoint."""
+    backend = require_backend(request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("DCP_DATASTATES_IO", raising=False)
+        engine = Engine(host_cache_size="4MiB", io_backend=backend, io_workers=4)
+    try:
+        src = rand_tensor((NBLOCKS * ROWS, COLS), torch.float32, seed=31)
+        path = tmp_path_factory.mktemp(f"multi_block_{backend}")
+        save({"w": src}, path, DataStatesWriter(engine=engine))
+        loc = next(iter(DataStatesReader(path).read_metadata().storage_data.values()))
+        assert loc.block == BLOCK_BYTES and len(loc.checksums) == NBLOCKS
+        yield path, src, engine
+        assert engine.live_leases() == 0
+    finally:
+        engine.close()
+
+
+R = ROWS
+# Slices whose first byte is on a checksum-block boundary.
 ALIGNED_SLICES = [
-    ((0, 0), (256, 32)),  # everything
-    ((0, 0), (100, 32)),  # whole rows from the start, trailing edge block read back
-    ((32, 0), (64, 32)),  # whole rows, block-aligned start: direct read
-    ((224, 0), (32, 32)),  # the last block exactly
-    ((32, 3), (40, 17)),  # column slice: copy path
+    ((0, 0), (NBLOCKS * R, COLS)),  # everything
+    ((0, 0), (R + R // 3, COLS)),  # whole rows from the start, trailing edge block read back
+    ((R, 0), (2 * R, COLS)),  # whole rows, block-aligned start: direct read
+    (((NBLOCKS - 1) * R, 0), (R, COLS)),  # the last block exactly
+    ((R, 3), (R + 8, 17)),  # column slice: copy path
 ]
 # Slices starting inside a block: the reader must read the block's leading edge to verify it.
 UNALIGNED_SLICES = [
-    ((40, 0), (60, 32)),  # whole rows (direct path), 1 KiB leading edge
-    ((36, 2), (10, 5)),  # column slice (copy path), 512-byte leading edge
-    ((100, 31), (156, 1)),  # last column to the end, 512-byte leading edge
+    ((R + R // 4, 0), (R, COLS)),  # whole rows (direct path), 4 MiB leading edge
+    ((R + 4, 2), (10, 5)),  # column slice (copy path), 512-byte leading edge
+    ((R + 100, COLS - 1), ((NBLOCKS - 1) * R - 100, 1)),  # last column to the end
 ]
 
 
 @pytest.mark.parametrize(("offsets", "lengths"), ALIGNED_SLICES)
-def test_partial_reads_block_aligned(
-    tmp_path: Path, make_writer, monkeypatch, io_backend: str, offsets, lengths
-) -> None:
-    """Row/column slices of a tensor spanning 8 checksum blocks come back exactly."""
-    src = _multi_block_checkpoint(tmp_path, make_writer, monkeypatch, io_backend)
-    got = _read_slice(tmp_path, offsets, lengths, torch.float32, backend=io_backend)
+def test_partial_reads_block_aligned(multi_block, offsets, lengths) -> None:
+    """Row/column slices of a tensor spanning 4 checksum blocks come back exactly."""
+    path, src, engine = multi_block
+    got = _read_slice(path, offsets, lengths, torch.float32, engine)
     (r, c), (nr, nc) = offsets, lengths
     assert_bits_equal(got, src[r : r + nr, c : c + nc])
 
 
 @pytest.mark.parametrize(("offsets", "lengths"), UNALIGNED_SLICES)
-def test_partial_reads_starting_inside_a_block(
-    tmp_path: Path, make_writer, monkeypatch, io_backend: str, offsets, lengths
-) -> None:
+def test_partial_reads_starting_inside_a_block(multi_block, offsets, lengths) -> None:
     """Regression: the leading-edge buffer read for verification must outlive the check
     (it was freed before verify_span hashed it: spurious checksum mismatches)."""
-    src = _multi_block_checkpoint(tmp_path, make_writer, monkeypatch, io_backend)
-    got = _read_slice(tmp_path, offsets, lengths, torch.float32, backend=io_backend)
+    path, src, engine = multi_block
+    got = _read_slice(path, offsets, lengths, torch.float32, engine)
     (r, c), (nr, nc) = offsets, lengths
     assert_bits_equal(got, src[r : r + nr, c : c + nc])
 
@@ -386,37 +403,40 @@ def test_partial_reads_starting_inside_a_block(
 def test_partial_read_default_block_size(
     tmp_path: Path, make_writer, io_backend: str, verify: bool
 ) -> None:
-    """Resharding-style read of rows 8..15 of an 8 KiB tensor with the default 16 MiB block."""
+    """Resharding-style read of rows 8..15 of an 8 KiB tensor (one checksum block)."""
     src = rand_tensor((64, 32), torch.float32, seed=33)
-    save({"w": src}, tmp_path, make_writer(io_backend=io_backend))
-    got = _read_slice(tmp_path, (8, 0), (8, 32), torch.float32, verify=verify, backend=io_backend)
+    writer = make_writer(io_backend=io_backend)
+    save({"w": src}, tmp_path, writer)
+    got = _read_slice(tmp_path, (8, 0), (8, 32), torch.float32, writer.engine, verify=verify)
     assert_bits_equal(got, src[8:16])
 
 
-def test_partial_read_checks_only_the_blocks_it_touches(
-    tmp_path: Path, make_writer, monkeypatch
-) -> None:
-    src = _multi_block_checkpoint(tmp_path, make_writer, monkeypatch, "threads")
-    loc = next(iter(DataStatesReader(tmp_path).read_metadata().storage_data.values()))
-    (file,) = data_files(tmp_path)
-    flip_at = 7 * 4096 + 5  # item byte inside the last block (rows 224..255)
+def test_partial_read_checks_only_the_blocks_it_touches(tmp_path: Path, multi_block) -> None:
+    original, src, engine = multi_block
+    path = tmp_path / "ckpt"
+    shutil.copytree(original, path)
+    loc = next(iter(DataStatesReader(path).read_metadata().storage_data.values()))
+    (file,) = data_files(path)
+    last = NBLOCKS - 1
+    flip_at = last * BLOCK_BYTES + 5  # item byte inside the last block
     with open(file, "r+b") as f:
         f.seek(loc.offset + flip_at)
         byte = f.read(1)[0]
         f.seek(loc.offset + flip_at)
         f.write(bytes([byte ^ 0x10]))
 
-    # Rows 0..99 lie in blocks 0..3: unaffected.
-    assert_bits_equal(_read_slice(tmp_path, (0, 0), (100, 32), torch.float32), src[:100])
+    # Rows before the last block are unaffected.
+    n = R + R // 3
+    assert_bits_equal(_read_slice(path, (0, 0), (n, COLS), torch.float32, engine), src[:n])
     with raises_in_dcp(
         CheckpointCorruptError,
-        rf"file {file.name}, item 'w': checksum mismatch in item bytes 28672\.\.32768",
+        rf"file {file.name}, item 'w': checksum mismatch in item bytes "
+        rf"{last * BLOCK_BYTES}\.\.{NBLOCKS * BLOCK_BYTES}",
     ):
-        _read_slice(tmp_path, (224, 4), (10, 8), torch.float32)
+        _read_slice(path, (last * R, 4), (10, 8), torch.float32, engine)
     # Without verification the flipped byte is returned as stored.
-    got = _read_slice(tmp_path, (224, 0), (32, 32), torch.float32, verify=False)
-    expected = src[224:].clone()
-    expected.reshape(-1).view(torch.uint8)[flip_at - 224 * 128] ^= 0x10
+    got = _read_slice(path, (last * R, 0), (R, COLS), torch.float32, engine, verify=False)
+    expected = src[last * R :].clone()
+    expected.reshape(-1).view(torch.uint8)[flip_at - last * R * COLS * 4] ^= 0x10
     assert_bits_equal(got, expected)
-    assert not torch.equal(got, src[224:])
-
+    assert not torch.equal(got, src[last * R :])

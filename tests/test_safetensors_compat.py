@@ -134,9 +134,20 @@ def _fill_cache_with_ones_then_save(tmp_path: Path, make_writer, mode: str, dire
     garbage = {f"ff{i}": torch.full((180 * KiB,), 0xFF, dtype=torch.uint8) for i in range(4)}
     run(garbage, tmp_path / "garbage")
     # Make the staleness certain: every byte of the (now idle) cache is 0xFF.
-    cache = writer.engine.cache
-    assert cache.snapshots.used == 0 and cache.bounce.used == 0
-    cache.tensor.fill_(0xFF)
+    engine = writer.engine
+    assert engine.live_leases() == 0
+    # (the cache has a fixed size: a request larger than it gets all of it)
+    whole = [engine.reserve(1 << 40), engine.bounce.pool.try_allocate(engine.bounce.nbytes)]
+    try:
+        for lease in whole:
+            assert lease is not None and lease.offset == 0
+            assert lease.nbytes == lease.pool.capacity
+            lease.as_tensor().fill_(0xFF)
+    finally:
+        for lease in whole:
+            if lease is not None:
+                lease.release()
+    assert engine.live_leases() == 0
 
     state = {
         "odd": rand_tensor((LARGE_ITEM_BYTES + 100,), torch.uint8, seed=60),

@@ -33,7 +33,9 @@ def test_async_save_stats_and_log_line(tmp_path: Path, make_writer, caplog) -> N
         resp.upload_completion.result()
     st = writer.last_stats()
     assert st.backend in ("uring", "threads")
-    assert 0 <= st.blocking_s <= st.snapshot_s <= st.durable_s
+    # (no order between blocking_s and snapshot_s: on CPU the staging thread may finish the
+    # snapshot before the async_save caller gets the GIL back to record its own time)
+    assert 0 <= st.blocking_s <= st.durable_s and 0 <= st.snapshot_s <= st.durable_s
     assert 0 < st.flush_s <= st.durable_s
     assert st.staged_bytes == _tensor_bytes(state) and st.overflow_bytes == 0
     files = sorted((tmp_path / "ck").glob("*.safetensors"))

@@ -125,6 +125,8 @@ class LoadJob:
                     f"checkpoint {self.directory}, file {items[0].loc.file}: {exc}") from exc
             out = []
             for item in items:
+                if item.target is not None:
+                    self._tensor_md(item.loc, item.req)  # a wrong length is named as such
                 a = item.loc.offset - lo
                 mem = memory_at(lease.addr + a, item.loc.length) if item.loc.length else b""
                 if self.verify_checksums:

@@ -85,11 +85,11 @@ class SaveJob:
             cuda = self.engine.cuda
             ready = cuda.record_current(devices) if devices and cuda is not None else None
             self.state = "staging"
+            self.stats.blocking_s = time.perf_counter() - self.stats.start
             self.engine.stage_pool.submit(self._stage, skeleton, sources, dtensors, ready, after)
         except BaseException as exc:
             self.end(exc)
             raise
-        self.stats.blocking_s = time.perf_counter() - self.stats.start
         return self.staged
 
     def _stage(self, skeleton: object, sources: list[torch.Tensor], dtensors: set[int],
