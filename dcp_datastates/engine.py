@@ -235,10 +235,13 @@ class Engine:
         self._free_retired()
 
     def wait_turn(self, job: SaveJob) -> None:
-        """Block until every save with an earlier ticket is over (abandoned ones are reaped)."""
+        """Block until every save with an earlier ticket is over (abandoned ones are reaped).
+
+        A snapshot that is staged but that no DCP save has taken does not hold later saves up.
+        """
         while True:
             with self._lock:
-                earlier = [j for t, j in self._jobs.items() if t < job.id]
+                earlier = [j for t, j in self._jobs.items() if t < job.id and j.blocks_turns()]
                 if not earlier:
                     return
                 self._lock.wait(POLL_S)

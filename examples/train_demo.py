@@ -1,11 +1,13 @@
 """Train a small model on CPU with async checkpoints through dcp_datastates, then resume and verify.
 
-Every ``--every`` steps the model and AdamW state go to ``dcp.async_save`` with a
-``DataStatesWriter``: the call returns at once, the snapshot runs in the background, and the loop
-waits only before ``optimizer.step()`` (the first point that changes what is being saved), and
-only if the snapshot is still running. At the end a fresh model and optimizer load the last
-checkpoint with ``DataStatesReader``; the demo checks every tensor is bit-identical to the state
-at that step and that training continues exactly as the original run did.
+Every ``--every`` steps the model and AdamW state go to ``dcp.async_save`` with a fresh
+``DataStatesWriter()`` (DCP's idiom: a writer per save costs nothing; the host cache, streams and
+I/O live in the process's engine): the call returns at once, the snapshot runs in the
+background, and ``guard(optimizer)`` makes the loop wait only before ``optimizer.step()`` (the
+first point that changes what is being saved), and only if the snapshot is still running. At the
+end a fresh model and optimizer load the last checkpoint with ``DataStatesReader()``; the demo
+checks every tensor is bit-identical to the state at that step and that training continues
+exactly as the original run did.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates import DataStatesReader, DataStatesWriter, guard
 
 
 class TinyLM(nn.Module):
@@ -46,7 +49,7 @@ def make_run(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, before_step=None) -> float:
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
     gen = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, 512, (8, 33), generator=gen)
     logits = model(tokens[:, :-1])
@@ -55,9 +58,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, before_s
     )
     opt.zero_grad()
     loss.backward()
-    if before_step is not None:
-        before_step()
-    opt.step()
+    opt.step()  # with guard(opt): waits here for a snapshot still copying, only then
     return loss.item()
 
 
@@ -74,15 +75,26 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     root = args.dir or Path(tempfile.mkdtemp(prefix="dcp_datastates_demo_"))
+    # DCP is made for process groups: one process is a world of one rank (gloo), which is also
+    # what async_save's upload thread expects (no_dist=True works too, with a warning per call).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run(args, root)
+    finally:
+        dist.destroy_process_group()
+    if args.dir is None:
+        shutil.rmtree(root)
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
 
     model, opt = make_run()
-    writer = DataStatesWriter(host_cache_size="256MiB", overwrite=True)
+    handle = guard(opt)  # optimizer.step() waits for the snapshots of the process's engine
     pending = None
     expected: dict = {}
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
-        wait = pending.staging_completion.result if pending is not None else None
-        loss = train_step(model, opt, step, before_step=wait)
+        loss = train_step(model, opt, step)
         if step % args.every == 0:
             if pending is not None:
                 pending.upload_completion.result()  # one checkpoint in flight at a time
@@ -90,10 +102,11 @@ def main() -> None:
             expected = copy.deepcopy(state)
             t = time.perf_counter()
             pending = dcp.async_save(state, checkpoint_id=root / f"step_{step}",
-                                     storage_writer=writer, no_dist=True)
+                                     storage_writer=DataStatesWriter(overwrite=True))
             print(f"step {step:3d} loss {loss:.4f}  async_save returned in "
                   f"{(time.perf_counter() - t) * 1e3:.1f} ms")
     pending.upload_completion.result()
+    handle.remove()
     last = root / f"step_{args.steps // args.every * args.every}"
     print(f"trained {args.steps} steps in {time.perf_counter() - t0:.1f} s; resuming from {last}")
 
@@ -101,16 +114,13 @@ def main() -> None:
 
     model2, opt2 = make_run(seed=123)
     state = app_state(model2, opt2, 0)
-    dcp.load(state, checkpoint_id=last, storage_reader=DataStatesReader(), no_dist=True)
+    dcp.load(state, checkpoint_id=last, storage_reader=DataStatesReader())
     set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     check_equal(app_state(model2, opt2, state["step"]), expected)
     resumed = [train_step(model2, opt2, s) for s in range(args.steps + 1, args.steps + 4)]
     if resumed != continued:
         raise SystemExit(f"FAIL: resumed losses {resumed} != original {continued}")
     print(f"OK: checkpoint {last.name} restored bit-exactly; the next 3 losses match: {resumed}")
-    writer.close()
-    if args.dir is None:
-        shutil.rmtree(root)
 
 
 def check_equal(got: object, want: object, where: str = "state") -> None:

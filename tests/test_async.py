@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,13 @@ from conftest import (
     rand_tensor,
     save,
 )
+from fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-import dcp_datastates.writer as writer_mod
+from dcp_datastates import DataStatesWriter, Engine
 from dcp_datastates.file_format import LARGE_ITEM_BYTES
-from dcp_datastates.io import get_backend
+from dcp_datastates.io import make_backend
 
 MiB = 1 << 20
 TIMEOUT = 60
@@ -35,25 +37,30 @@ pytestmark = MARKS
 
 
 @pytest.fixture
-def gate_writes(monkeypatch: pytest.MonkeyPatch):
-    """Hold every data write of backend ``name`` until the returned event is set.
+def faulty_engine() -> Iterator[Callable[..., tuple[Engine, FaultyBackend]]]:
+    """``make(backend="threads", host_cache_size=..., **faults)``: an engine whose I/O goes
+    through a :class:`FaultyBackend` over a real backend (``gated=True`` holds every data write
+    until ``backend.gate`` is set). Closed at teardown, asserting that nothing was left held."""
+    made: list[tuple[Engine, FaultyBackend]] = []
 
-    So the flush surely runs after what the test does next (a mutation, another save).
-    """
+    def make(backend: str = "threads", *, host_cache_size: int | str = "8MiB",
+             io_workers: int = 4, **faults: object) -> tuple[Engine, FaultyBackend]:
+        faulty = FaultyBackend(make_backend(backend)[0], **faults)
+        made.append((Engine(io_backend=faulty, host_cache_size=host_cache_size,
+                            io_workers=io_workers), faulty))
+        return made[-1]
 
-    def apply(name: str) -> threading.Event:
-        backend = get_backend(name)
-        real = backend.write
-        gate = threading.Event()
-
-        def write(fd, path, reqs):
-            gate.wait(TIMEOUT)
-            return real(fd, path, reqs)
-
-        monkeypatch.setattr(backend, "write", write)
-        return gate
-
-    return apply
+    yield make
+    problems = []
+    for engine, faulty in made:
+        faulty.gate.set()
+        if engine.live_leases():
+            problems.append(f"{engine.live_leases()} lease(s) live at the end")
+        engine.close()
+        faulty.close()
+        if faulty.live_buffers():
+            problems.append(f"buffers still registered: {faulty.live_buffers()}")
+    assert not problems, problems
 
 
 def _source_state(seed: int = 0) -> dict:
@@ -81,41 +88,44 @@ def _mutate(state: dict) -> None:
 
 
 def test_async_save_snapshot_ignores_later_mutation(
-    tmp_path: Path, make_writer, gate_writes, io_backend: str
+    tmp_path: Path, make_writer, faulty_engine, io_backend: str
 ) -> None:
-    gate = gate_writes(io_backend)
+    # The writes are held back: the flush surely runs after the mutation.
+    engine, backend = faulty_engine(io_backend, host_cache_size="8MiB", gated=True)
     state = _source_state()
     expected = clone_state(state)
-    writer = make_writer(io_backend=io_backend, host_cache_size="8MiB")
+    writer = make_writer(engine=engine)
     response = dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer, no_dist=True)
     assert isinstance(response, AsyncSaveResponse)
     response.staging_completion.result(timeout=TIMEOUT)
     _mutate(state)
     assert not response.upload_completion.done()
-    gate.set()
+    backend.gate.set()
     response.upload_completion.result(timeout=TIMEOUT)
     assert_state_equal(load_into(expected, tmp_path, io_backend=io_backend), expected)
 
 
 def test_async_save_larger_than_host_cache(
-    tmp_path: Path, make_writer, gate_writes, io_backend: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, make_writer, faulty_engine, io_backend: str,
+    caplog: pytest.LogCaptureFixture
 ) -> None:
-    gate = gate_writes(io_backend)
+    engine, backend = faulty_engine(io_backend, host_cache_size="1MiB", gated=True)
     state = {
         "huge": rand_tensor((3 * MiB // 4 + 5,), torch.float32, seed=5),  # 3 MiB > 1 MiB cache
         "mid": rand_tensor((300 * 1024,), torch.uint8, seed=6),
         "small": rand_tensor((7, 3), torch.float64, seed=7),
     }
     expected = clone_state(state)
-    writer = make_writer(io_backend=io_backend, host_cache_size="1MiB")
+    writer = make_writer(engine=engine)
     response = dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer, no_dist=True)
     response.staging_completion.result(timeout=TIMEOUT)
     for t in state.values():
         t.zero_()
-    gate.set()
+    backend.gate.set()
     response.upload_completion.result(timeout=TIMEOUT)
     assert writer.last_stats().bytes_written >= 3 * MiB + 300 * 1024
-    assert "exceeds the free host cache" in caplog.text
+    assert writer.last_stats().overflow_bytes > 0
+    assert "did not fit in the host cache" in caplog.text
     assert_state_equal(load_into(expected, tmp_path, io_backend=io_backend), expected)
 
 
@@ -181,11 +191,12 @@ def test_async_tuple_with_tensor_does_not_pickle_the_host_cache(
 
 
 def test_back_to_back_async_saves_without_waiting(
-    tmp_path: Path, make_writer, gate_writes
+    tmp_path: Path, make_writer, faulty_engine
 ) -> None:
     """Queued saves must not change the writer's path/save id under the save still flushing."""
-    gate = gate_writes("threads")  # the first flush is still running when the others start
-    writer = make_writer(host_cache_size="8MiB")
+    # The first flush is still running (held at the gate) when the others start.
+    engine, backend = faulty_engine(host_cache_size="8MiB", gated=True)
+    writer = make_writer(engine=engine)
     states = [_source_state(seed=100 + i) for i in range(3)]
     expected = [clone_state(s) for s in states]
     responses = [
@@ -196,7 +207,7 @@ def test_back_to_back_async_saves_without_waiting(
         response.staging_completion.result(timeout=TIMEOUT)
         _mutate(state)
     time.sleep(0.2)  # let the queued saves' threads start (DCP resets the writer there)
-    gate.set()
+    backend.gate.set()
     errors = []
     for response in responses:
         try:
@@ -209,32 +220,139 @@ def test_back_to_back_async_saves_without_waiting(
         assert_state_equal(load_into(exp, tmp_path / f"c{i}"), exp)
 
 
-def test_checksums_not_computed_over_recycled_cache(
-    tmp_path: Path, make_writer, monkeypatch: pytest.MonkeyPatch
+def test_queued_async_saves_on_one_writer_have_own_stats_and_commit_in_order(
+    tmp_path: Path, faulty_engine
 ) -> None:
-    """The snapshot's cache regions are given back only after their checksums are computed."""
-    real = writer_mod.block_checksums
-    restaged = threading.Event()
+    """Four async saves queued on ONE writer before the first can write a byte: each save's
+    figures are its own (bytes_written = its data file), and they commit in call order."""
+    engine, backend = faulty_engine(host_cache_size="16MiB", gated=True)
+    writer = DataStatesWriter(engine=engine)
+    states = [{"t": rand_tensor(((k + 1) * 300_000 + 17 * k,), torch.uint8, seed=200 + k),
+               "k": k} for k in range(4)]
+    expected = [clone_state(s) for s in states]
+    responses, stats = [], []
+    for k, state in enumerate(states):
+        responses.append(dcp.async_save(state, checkpoint_id=tmp_path / f"c{k}",
+                                        storage_writer=writer, no_dist=True))
+        responses[-1].staging_completion.result(timeout=TIMEOUT)
+        state["t"].zero_()
+        # Once save k is staged, no earlier save changes which one is the writer's latest:
+        # wait until DCP's thread for save k has taken it.
+        deadline = time.monotonic() + TIMEOUT
+        while (latest := writer.last_stats()) is None or any(latest is s for s in stats):
+            assert time.monotonic() < deadline, f"save {k} never became the writer's latest"
+            time.sleep(0.005)
+        stats.append(latest)
+    assert backend.write_started.wait(TIMEOUT)
+    assert not any(r.upload_completion.done() for r in responses), "the gate is closed"
+    assert all(s.bytes_written == 0 for s in stats)
+    backend.gate.set()
+    for r in responses:
+        r.upload_completion.result(timeout=TIMEOUT)
+    assert writer.last_stats() is stats[-1]
+    for k, s in enumerate(stats):
+        (file,) = data_files(tmp_path / f"c{k}")
+        assert s.bytes_written == file.stat().st_size, k
+        assert s.overflow_bytes == 0 and s.staged_bytes >= (k + 1) * 300_000, k
+    assert len({s.bytes_written for s in stats}) == len(stats)
+    committed = [s.start + s.durable_s for s in stats]  # perf_counter time of each commit
+    assert committed == sorted(committed), "saves committed out of order"
+    for k, exp in enumerate(expected):
+        assert_state_equal(load_into(exp, tmp_path / f"c{k}"), exp)
+    assert engine.live_leases() == 0
 
-    def slow_checksums(*args, **kwargs):
-        restaged.wait(TIMEOUT)  # a busy CPU: hashing lags behind the write
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(writer_mod, "block_checksums", slow_checksums)
-    writer = make_writer(host_cache_size="16MiB")
-    src = {"t": rand_tensor((1 * MiB,), torch.uint8, seed=1)}
-    expected = clone_state(src)
-    response = dcp.async_save(src, checkpoint_id=tmp_path, storage_writer=writer, no_dist=True)
-    response.staging_completion.result(timeout=TIMEOUT)
-    pool = writer.engine.cache.snapshots
-    deadline = time.monotonic() + 5
-    while pool.used and time.monotonic() < deadline:  # the flush gives the region back
-        time.sleep(0.002)
-    # The next step's snapshot (what async_save does first, on the training thread).
-    writer.stage({"t": torch.zeros(1 * MiB, dtype=torch.uint8)}).result(timeout=TIMEOUT)
-    restaged.set()
-    response.upload_completion.result(timeout=TIMEOUT)
-    assert_state_equal(load_into(expected, tmp_path), expected)
+def _tiny_state(n: int) -> dict:
+    """``n`` tiny tensors: a model's step counters, norms and biases, in many dtypes."""
+    gen = torch.Generator().manual_seed(7)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8,
+              torch.int32, torch.bool, torch.uint8]
+    state: dict = {}
+    for i in range(n // 3):
+        layer = {
+            "step": torch.tensor(i, dtype=torch.int64),
+            "norm": torch.rand((), generator=gen),
+            "bias": rand_tensor((1 + i % 9,), dtypes[i % len(dtypes)], seed=i),
+        }
+        state[f"layers.{i}"] = layer
+    return state
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_thirty_thousand_tiny_tensors(tmp_path: Path, make_writer, mode: str) -> None:
+    """30,000 tiny items (DCP's planner and .metadata dominate: the storage layer must not add
+    a per-item cost of its own), saved and loaded back bit for bit."""
+    state = _tiny_state(30_000)
+    assert sum(len(v) for v in state.values()) == 30_000
+    expected = clone_state(state)
+    writer = make_writer(host_cache_size="8MiB")
+    if mode == "sync":
+        save(state, tmp_path, writer)
+    else:
+        response = dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer,
+                                  no_dist=True)
+        response.staging_completion.result(timeout=TIMEOUT)
+        for layer in state.values():
+            layer["bias"].zero_()
+        response.upload_completion.result(timeout=TIMEOUT)
+    assert len(data_files(tmp_path)) == 1
+    stats = writer.last_stats()
+    assert stats.overflow_bytes == 0
+    assert_state_equal(load_into(expected, tmp_path, engine=writer.engine), expected)
+
+
+def test_checksums_not_computed_over_recycled_cache(tmp_path: Path, make_writer) -> None:
+    """The snapshot's cache memory is given back only after its checksums are computed: the
+    next save's snapshot waits for that memory (the cache holds one snapshot) and fills it with
+    other bytes the moment it is free; .metadata's checksums must describe the saved bytes."""
+    writer = make_writer(host_cache_size="64MiB", io_workers=8)  # 48 MiB for snapshots
+    engine = writer.engine
+    states = [{"t": rand_tensor((40 * MiB,), torch.uint8, seed=1),
+               "u": rand_tensor((3 * MiB + 5,), torch.uint8, seed=2)},
+              {"t": torch.zeros(40 * MiB, dtype=torch.uint8),
+               "u": torch.full((3 * MiB + 5,), 0x5A, dtype=torch.uint8)}]
+    expected = [clone_state(s) for s in states]
+    first = dcp.async_save(states[0], checkpoint_id=tmp_path / "a", storage_writer=writer,
+                           no_dist=True)
+    first.staging_completion.result(timeout=TIMEOUT)
+    # The next step's snapshot: it waits for the memory the first save is flushing from.
+    second_writer = DataStatesWriter(engine=engine)
+    second = dcp.async_save(states[1], checkpoint_id=tmp_path / "b",
+                            storage_writer=second_writer, no_dist=True)
+    second.staging_completion.result(timeout=TIMEOUT)
+    for r in (first, second):
+        r.upload_completion.result(timeout=TIMEOUT)
+    for w in (writer, second_writer):  # the cache held both: the memory was reused
+        assert w.last_stats().overflow_bytes == 0
+    for name, exp in zip("ab", expected, strict=True):
+        assert_state_equal(load_into(exp, tmp_path / name, engine=engine), exp, name)
+
+
+def test_snapshot_that_no_save_takes_blocks_nothing(tmp_path: Path) -> None:
+    """A snapshot staged through a writer (its AsyncStager) that no DCP save ever takes: the
+    caller gave up between the two, or DCP failed to start the upload. Later saves on the
+    engine must not wait for it."""
+    engine = Engine(host_cache_size="4MiB", io_backend="threads", io_workers=2)
+    try:
+        DataStatesWriter(engine=engine).stage(_source_state(seed=50)).result(timeout=TIMEOUT)
+        state = _source_state(seed=51)
+        expected = clone_state(state)
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                save(state, tmp_path, DataStatesWriter(engine=engine))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "a save waits for a snapshot that no save will take"
+        assert not errors, errors
+        assert_state_equal(load_into(expected, tmp_path, engine=engine), expected)
+    finally:
+        engine.close(timeout=1)  # ends what is still waiting
 
 
 _PROCESS_SCRIPT = textwrap.dedent(
@@ -245,14 +363,14 @@ _PROCESS_SCRIPT = textwrap.dedent(
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    from dcp_datastates import DataStatesReader, DataStatesWriter
+    from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
 
     def main(root):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         store = dist.FileStore(os.path.join(root, "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
-            writer = DataStatesWriter(host_cache_size="8MiB", io_backend="threads")
+            engine = Engine(host_cache_size="8MiB", io_backend="threads")
             gen = torch.Generator().manual_seed(0)
             states, expected = [], []
             for i in range(2):
@@ -262,7 +380,8 @@ _PROCESS_SCRIPT = textwrap.dedent(
                 }
                 expected.append({"a": state["a"].clone(), "c": state["b"]["c"].clone()})
                 resp = dcp.async_save(
-                    state, checkpoint_id=os.path.join(root, f"ck{i}"), storage_writer=writer,
+                    state, checkpoint_id=os.path.join(root, f"ck{i}"),
+                    storage_writer=DataStatesWriter(engine=engine),
                     async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 )
                 assert type(resp).__name__ == "AsyncSaveResponse", type(resp)
@@ -273,13 +392,16 @@ _PROCESS_SCRIPT = textwrap.dedent(
             for i in range(2):
                 out = {"a": torch.zeros(70_000), "b": {"c": torch.zeros(3, 7), "n": None}}
                 dcp.load(out, checkpoint_id=os.path.join(root, f"ck{i}"),
-                         storage_reader=DataStatesReader())
+                         storage_reader=DataStatesReader(engine=engine))
                 for got, want in ((out["a"], expected[i]["a"]), (out["b"]["c"], expected[i]["c"])):
                     assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
                 assert out["b"]["n"] == i
                 files = sorted(os.listdir(os.path.join(root, f"ck{i}")))
-                assert len(files) == 2 and files[0] == ".metadata", files
-            writer.close()
+                assert len(files) == 3 and files[:2] == [".dcp_datastates.lock", ".metadata"], (
+                    files)
+                assert files[2].startswith("__0_") and files[2].endswith(".safetensors"), files
+            assert engine.live_leases() == 0, engine.live_leases()
+            engine.close()
             print("PROCESS-MODE-OK")
         finally:
             dist.destroy_process_group()

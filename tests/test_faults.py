@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,11 @@ from conftest import (
     rand_tensor,
     save,
 )
+from fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates.io import get_backend
+from dcp_datastates import DataStatesWriter, Engine
+from dcp_datastates.io import make_backend
 
 MiB = 1 << 20
 TESTS = Path(__file__).resolve().parent
@@ -47,33 +50,58 @@ def _state(seed: int, nbytes: int = 2 * MiB) -> dict:
 
 
 def _pools_empty(writer) -> None:
-    cache = writer.engine.cache
-    assert cache.snapshots.used == 0, f"snapshot pool still holds {cache.snapshots.used} bytes"
-    assert cache.bounce.used == 0, f"bounce pool still holds {cache.bounce.used} bytes"
+    leases = writer.engine.live_leases()
+    assert leases == 0, f"{leases} lease(s) of host cache still held after the save ended"
+
+
+@pytest.fixture
+def faulty_engine() -> Iterator[Callable[..., tuple[Engine, FaultyBackend]]]:
+    """``make(backend="threads", host_cache_size=..., **faults)``: an engine whose I/O goes
+    through a :class:`FaultyBackend` over a real backend; closed at teardown, asserting that
+    no lease or buffer registration was left behind."""
+    made: list[tuple[Engine, FaultyBackend]] = []
+
+    def make(backend: str = "threads", *, host_cache_size: int | str = "8MiB",
+             io_workers: int = 4, **faults: object) -> tuple[Engine, FaultyBackend]:
+        faulty = FaultyBackend(make_backend(backend)[0], **faults)
+        made.append((Engine(io_backend=faulty, host_cache_size=host_cache_size,
+                            io_workers=io_workers), faulty))
+        return made[-1]
+
+    yield make
+    problems = []
+    for engine, faulty in made:
+        faulty.gate.set()
+        if engine.live_leases():
+            problems.append(f"{engine.live_leases()} lease(s) live at the end")
+        engine.close()
+        faulty.close()
+        if faulty.live_buffers():
+            problems.append(f"buffers still registered: {faulty.live_buffers()}")
+    assert not problems, problems
 
 
 # -- SIGKILL in the middle of a save -------------------------------------------------------------
 _CHILD = textwrap.dedent(
     """
-    import sys, time
+    import sys, threading
     sys.path.insert(0, {tests!r})
     import torch, torch.distributed.checkpoint as dcp
     from conftest import rand_tensor
-    from dcp_datastates import DataStatesWriter
-    from dcp_datastates.io import get_backend
+    from fakes import FaultyBackend
+    from dcp_datastates import DataStatesWriter, Engine
+    from dcp_datastates.io import ThreadPoolBackend
 
-    backend = get_backend("threads")
-    real = backend.write
+    backend = FaultyBackend(ThreadPoolBackend(), delay_s=0.5)  # the parent kills us meanwhile
 
-    def slow_write(fd, path, reqs):
+    def announce():
+        backend.write_started.wait()
         print("WRITING", flush=True)
-        time.sleep(0.5)  # the parent kills us during one of these
-        return real(fd, path, reqs)
 
-    backend.write = slow_write
+    threading.Thread(target=announce, daemon=True).start()
+    engine = Engine(io_backend=backend, host_cache_size="4MiB", io_workers=2)
     state = {{"big": rand_tensor((8 << 20,), torch.uint8, seed=77), "step": 77}}
-    writer = DataStatesWriter(sys.argv[1], host_cache_size="4MiB", io_backend="threads",
-                              io_workers=2, overwrite=True)
+    writer = DataStatesWriter(sys.argv[1], engine=engine, overwrite=True)
     dcp.save(state, checkpoint_id=sys.argv[1], storage_writer=writer, no_dist=True)
     print("FINISHED", flush=True)
     """
@@ -194,37 +222,18 @@ def test_enospc_on_a_full_file_system(
 
 
 # -- injected write errors -----------------------------------------------------------------------
-@pytest.fixture
-def inject(monkeypatch: pytest.MonkeyPatch):
-    """Make backend ``name``'s writes fail with ``code`` after ``ok`` calls; returns disarm."""
-
-    def arm(name: str, code: int, ok: int):
-        backend = get_backend(name)
-        real = backend.write
-        calls = [0]
-
-        def write(fd, path, reqs):
-            calls[0] += 1
-            if calls[0] > ok:
-                raise OSError(code, os.strerror(code), path)
-            return real(fd, path, reqs)
-
-        monkeypatch.setattr(backend, "write", write)
-        return lambda: monkeypatch.setattr(backend, "write", real)
-
-    return arm
-
-
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_injected_write_error(
-    tmp_path: Path, make_writer, inject, io_backend: str, code: int, mode: str
+    tmp_path: Path, make_writer, faulty_engine, io_backend: str, code: int, mode: str
 ) -> None:
-    writer = make_writer(host_cache_size="8MiB", io_backend=io_backend)
+    # The first data write succeeds, every later one fails with ``code``.
+    engine, backend = faulty_engine(io_backend, host_cache_size="8MiB", fail_write_after=1,
+                                    errno_=code)
+    writer = make_writer(engine=engine)
     state = _state(seed=8)
     expected = clone_state(state)
     directory = tmp_path / "ckpt"
-    disarm = inject(io_backend, code, ok=1)
     with pytest.raises((OSError, CheckpointException)) as info:
         if mode == "sync":
             save(state, directory, writer)
@@ -234,20 +243,17 @@ def test_injected_write_error(
             response.staging_completion.result(timeout=60)
             state["big"].add_(1)  # training goes on; the failed save must not matter
             response.upload_completion.result(timeout=60)
-    disarm()
+    backend.fail_write_after = None  # the disk works again
     err = info.value
     if isinstance(err, CheckpointException):
         (err,) = [exc for exc, _ in err.failures.values()]
     assert isinstance(err, OSError) and err.errno == code, repr(err)
     assert re.search(rf"{re.escape(str(directory))}/__0_[0-9a-f]+\.safetensors", str(err)), err
     err = info = None
+    assert backend.writes >= 2, "the fault was never injected"
     assert not (directory / ".metadata").exists()
     assert data_files(directory) == []
-    deadline = time.monotonic() + 5  # an async snapshot is freed when its last user drops it
-    while writer.engine.cache.snapshots.used and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.02)
-    _pools_empty(writer)
+    _pools_empty(writer)  # at once: nothing waits for the garbage collector
 
     # The next save with the same writer succeeds, into the same directory.
     state = _state(seed=9)
@@ -259,3 +265,52 @@ def test_injected_write_error(
                        no_dist=True).upload_completion.result(timeout=60)
     assert writer.last_stats().overflow_bytes == 0
     assert_state_equal(load_into(expected, directory), expected)
+
+
+@pytest.mark.parametrize("failure", ["under_a_file", "exists"])
+def test_failed_async_saves_release_memory_without_gc(
+    tmp_path: Path, make_engine, failure: str
+) -> None:
+    """Async saves that fail (the directory lies under a regular file; a checkpoint is there
+    and overwrite is off), more of them than the host cache holds, with the garbage collector
+    off: each gives its memory back when it fails, so the next save, on the same writer and on
+    a fresh one, starts at once; the checkpoint already there stays intact."""
+    engine = make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=2)
+    previous = _state(seed=20)
+    expected_previous = clone_state(previous)
+    directory = tmp_path / "ckpt"
+    save(previous, directory, DataStatesWriter(engine=engine))
+    if failure == "under_a_file":
+        (tmp_path / "plain_file").write_text("not a directory")
+        bad = tmp_path / "plain_file" / "ckpt"
+        error, match = OSError, re.escape(str(tmp_path / "plain_file"))
+    else:
+        bad = directory
+        error, match = RuntimeError, "Checkpoint already exists and overwrite=False"
+    gc.collect()
+    gc.disable()
+    try:
+        writer = DataStatesWriter(engine=engine)
+        for attempt in range(4):  # 4 x 2 MiB: more than the 6 MiB of snapshot cache
+            state = _state(seed=30 + attempt)
+            response = dcp.async_save(state, checkpoint_id=bad, storage_writer=writer,
+                                      no_dist=True)
+            response.staging_completion.result(timeout=5)
+            with raises_in_dcp(error, match):
+                response.upload_completion.result(timeout=60)
+            assert engine.live_leases() == 0, f"attempt {attempt}: the failed save held memory"
+        for k, w in enumerate([writer, DataStatesWriter(engine=engine)]):
+            state = _state(seed=40 + k)
+            expected = clone_state(state)
+            start = time.monotonic()
+            response = dcp.async_save(state, checkpoint_id=tmp_path / f"ok{k}", storage_writer=w,
+                                      no_dist=True)
+            response.staging_completion.result(timeout=5)
+            assert time.monotonic() - start < 5, "the save after failed ones did not start"
+            state["big"].zero_()
+            response.upload_completion.result(timeout=60)
+            assert engine.live_leases() == 0
+            assert_state_equal(load_into(expected, tmp_path / f"ok{k}", engine=engine), expected)
+    finally:
+        gc.enable()
+    assert_state_equal(load_into(expected_previous, directory, engine=engine), expected_previous)

@@ -36,8 +36,9 @@ from torchtitan.components.optimizer import (  # noqa: E402
 )
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
 
-from dcp_datastates import DataStatesWriter  # noqa: E402
+from dcp_datastates import Engine, default_engine  # noqa: E402
 from dcp_datastates.integrations.torchtitan import (  # noqa: E402
+    DataStates,
     DataStatesCheckpointManager,
     enable_datastates,
     is_datastates_checkpoint,
@@ -49,6 +50,14 @@ shared = mpi_util.shared
 MODES = ["disabled", "async", "async_with_pinned_mem"]
 #: How long each snapshot is held back in the tests that check the overlap.
 STAGING_DELAY = 0.5
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    """The engine the managers of a test save and load with (as a trainer would make one)."""
+    with Engine(host_cache_size="16MiB", io_backend="threads", io_workers=2) as made:
+        yield made
+        assert made.live_leases() == 0, "a save kept host cache memory after it ended"
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +114,13 @@ class Run:
         self.dataloader = Counter()
 
     def manager(self, folder: Path, mode: str, cls: type = CheckpointManager,
-                **config: object) -> CheckpointManager:
+                build: dict | None = None, **config: object) -> CheckpointManager:
         cfg = cls.Config(enable=True, folder="ckpt", interval=2, async_mode=mode,
                          keep_latest_k=0, last_save_model_only=False, **config)
         return cfg.build(dataloader=self.dataloader, model_parts=[self.model],
                          optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
                          states={"train_state": self.train_state}, sd_adapter=None,
-                         base_folder=str(folder))
+                         base_folder=str(folder), **(build or {}))
 
     def step(self, step: int, manager: CheckpointManager | None = None) -> None:
         """One step as torchtitan's trainer orders it."""
@@ -160,16 +169,10 @@ def differences(actual: object, expected: object, path: str = "") -> list[str]:
     return [] if actual == expected else [f"{path}: {actual!r} != {expected!r}"]
 
 
-def slow_snapshots(writer: DataStatesWriter, delay: float = STAGING_DELAY) -> None:
-    """Hold each snapshot back by ``delay`` s: a missing wait before optimizer.step() shows."""
-    stager = writer.engine.stager
-    real = stager._fill
-
-    def fill(*args: object) -> object:
-        time.sleep(delay)
-        return real(*args)
-
-    stager._fill = fill
+def hold_snapshot(engine: Engine, delay: float = STAGING_DELAY) -> None:
+    """Hold the next snapshot back by ``delay`` s (the engine's staging thread is busy that
+    long first): a missing wait before optimizer.step() shows."""
+    engine.stage_pool.submit(time.sleep, delay)
 
 
 def step_dirs(folder: Path) -> list[str]:
@@ -179,19 +182,21 @@ def step_dirs(folder: Path) -> list[str]:
 # -- single process ------------------------------------------------------------------------------
 @pytest.mark.mpi_skip
 @pytest.mark.parametrize("mode", MODES)
-def test_manager_saves_and_resumes(one_rank: None, tmp_path: Path, mode: str) -> None:
+def test_manager_saves_and_resumes(one_rank: None, tmp_path: Path, engine: Engine,
+                                   mode: str) -> None:
     run = Run(seed=0)
     manager = run.manager(tmp_path, mode)
-    writer = enable_datastates(manager, host_cache_size="16MiB", io_backend="threads")
-    assert isinstance(writer, DataStatesWriter)
-    slow_snapshots(writer)
+    ds = enable_datastates(manager, engine=engine)
+    assert isinstance(ds, DataStates) and manager.datastates is ds and ds.engine is engine
     saved = {}
     for step in range(1, 6):
         run.step(step, manager)
+        hold_snapshot(engine)
         manager.save(step, last_step=step == 5)
         if mode != "disabled" and step in (2, 4):
-            # save() returned while the snapshot is still copying (it overlaps the next step)
-            assert not manager._datastates.staging.done()
+            # save() returned while the snapshot is still copying (it overlaps the next step,
+            # whose optimizer step waits for it)
+            assert not ds.staging.done()
         if step in (2, 4, 5):
             saved[step] = run.snapshot()
     manager.close()
@@ -201,12 +206,14 @@ def test_manager_saves_and_resumes(one_rank: None, tmp_path: Path, mode: str) ->
         assert is_datastates_checkpoint(directory)
         assert (directory / ".metadata").is_file()
         assert not list(directory.glob("*.distcp"))
-    assert writer.last_stats() is not None
+    stats = ds.last_stats()
+    assert stats is not None and stats.bytes_written > 0
+    assert not engine.closed, "the manager closed an engine it does not own"
 
     # resume from step 4 in a fresh run; one more step must give step 5 exactly
     again = Run(seed=1)
     manager = again.manager(tmp_path, mode)
-    enable_datastates(manager, host_cache_size="16MiB", io_backend="threads")
+    enable_datastates(manager, engine=engine)
     assert manager.load(step=4)
     assert differences(again.snapshot(), saved[4], "step 4") == []
     again.step(5, manager)
@@ -214,7 +221,7 @@ def test_manager_saves_and_resumes(one_rank: None, tmp_path: Path, mode: str) ->
     # without a step: the latest checkpoint (the last step's, saved synchronously)
     latest = Run(seed=2)
     latest_manager = latest.manager(tmp_path, mode)
-    enable_datastates(latest_manager, host_cache_size="16MiB", io_backend="threads")
+    enable_datastates(latest_manager, engine=engine)
     assert latest_manager.load()
     assert differences(latest.snapshot(), saved[5], "latest") == []
     manager.close()
@@ -222,7 +229,8 @@ def test_manager_saves_and_resumes(one_rank: None, tmp_path: Path, mode: str) ->
 
 
 @pytest.mark.mpi_skip
-def test_loads_checkpoint_of_stock_torchtitan(one_rank: None, tmp_path: Path) -> None:
+def test_loads_checkpoint_of_stock_torchtitan(one_rank: None, tmp_path: Path,
+                                              engine: Engine) -> None:
     """A run that switches over resumes from the checkpoint stock torchtitan wrote."""
     run = Run(seed=0)
     stock = run.manager(tmp_path, "disabled")
@@ -236,7 +244,7 @@ def test_loads_checkpoint_of_stock_torchtitan(one_rank: None, tmp_path: Path) ->
 
     again = Run(seed=1)
     manager = again.manager(tmp_path, "async")
-    enable_datastates(manager, host_cache_size="16MiB", io_backend="threads")
+    enable_datastates(manager, engine=engine)
     assert manager.load()
     assert differences(again.snapshot(), expected, "stock") == []
     again.step(3, manager)
@@ -253,19 +261,59 @@ def test_config_subclass(one_rank: None, tmp_path: Path) -> None:
     manager = run.manager(tmp_path, "async", cls=DataStatesCheckpointManager,
                           host_cache_size="16MiB", io_backend="threads")
     assert isinstance(manager, DataStatesCheckpointManager)
-    writer = manager._datastates.writer
-    assert writer.host_cache_size == 16 << 20
-    assert enable_datastates(manager) is writer  # a second call changes nothing
+    ds = manager.datastates
+    assert ds.owns_engine and ds.engine.fixed_size == 16 << 20 and ds.engine.io.name == "threads"
+    assert enable_datastates(manager) is ds  # a second call changes nothing
     for step in (1, 2):
         run.step(step, manager)
+        hold_snapshot(ds.engine)
         manager.save(step)
+        if step == 2:
+            assert not ds.staging.done()
+    run.step(3, manager)  # its optimizer step waited for the snapshot of step 2
     expected = run.snapshot()
     manager.close()
+    assert ds.engine.closed, "the manager closes the engine it made"
+    assert ds.last_stats().bytes_written > 0
     again = Run(seed=1)
-    other = again.manager(tmp_path, "disabled", cls=DataStatesCheckpointManager,
-                          host_cache_size="16MiB", io_backend="threads")
+    other = again.manager(tmp_path, "disabled", cls=DataStatesCheckpointManager)
+    assert other.datastates.engine is default_engine() and not other.datastates.owns_engine
     assert other.load(step=2)
+    again.step(3, other)
     assert differences(again.snapshot(), expected, "subclass") == []
+    other.close()
+    assert not default_engine().closed
+
+
+@pytest.mark.mpi_skip
+def test_config_subclass_with_an_engine_and_pinned_mode(one_rank: None, tmp_path: Path,
+                                                        engine: Engine) -> None:
+    """``engine=`` given to ``build``; "async_with_pinned_mem": torchtitan's own
+    maybe_wait_for_staging() waits on the staging future the manager got back."""
+    run = Run(seed=0)
+    manager = run.manager(tmp_path, "async_with_pinned_mem", cls=DataStatesCheckpointManager,
+                          build={"engine": engine})
+    ds = manager.datastates
+    assert ds.engine is engine and not ds.owns_engine
+    with pytest.raises(ValueError, match="not both"):
+        run.manager(tmp_path, "async", cls=DataStatesCheckpointManager, build={"engine": engine},
+                    io_backend="threads")
+    for step in (1, 2):
+        run.step(step, manager)
+        hold_snapshot(engine)
+        manager.save(step)
+    assert manager.staging_future is ds.staging
+    assert not manager.staging_future.done()
+    manager.maybe_wait_for_staging()
+    assert manager.staging_future is None and ds.staging.done()
+    expected = run.snapshot()
+    manager.close()
+    assert not engine.closed
+    again = Run(seed=1)
+    other = again.manager(tmp_path, "async_with_pinned_mem", cls=DataStatesCheckpointManager,
+                          build={"engine": engine})
+    assert other.load(step=2)
+    assert differences(again.snapshot(), expected, "pinned mode") == []
     other.close()
 
 
@@ -277,24 +325,24 @@ def test_disabled_manager_is_left_alone(one_rank: None, tmp_path: Path) -> None:
                         lr_schedulers=run.lr_schedulers, states={}, sd_adapter=None,
                         base_folder=str(tmp_path))
     assert enable_datastates(manager) is None
-    assert not hasattr(manager, "_datastates")
+    assert not hasattr(manager, "datastates")
 
 
 # -- several ranks (mpirun) ----------------------------------------------------------------------
 @pytest.mark.mpi
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
-def test_fsdp2_async_manager_multi_rank(world: World, shared: Path) -> None:
+def test_fsdp2_async_manager_multi_rank(world: World, shared: Path, engine: Engine) -> None:
     """FSDP2 on all ranks, the manager in "async" mode; a fresh run resumes bit for bit."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world.size,))
     run = Run(seed=0, mesh=mesh)
     manager = run.manager(shared, "async")
-    writer = enable_datastates(manager, host_cache_size="16MiB")
-    slow_snapshots(writer, 0.2)
+    enable_datastates(manager, engine=engine)
     saved = {}
     for step in range(1, 5):
         run.step(step, manager)
+        hold_snapshot(engine, 0.2)
         manager.save(step)
         if step % 2 == 0:
             saved[step] = run.snapshot()
@@ -304,7 +352,7 @@ def test_fsdp2_async_manager_multi_rank(world: World, shared: Path) -> None:
         errors.append(f"folders: {sorted(os.listdir(shared / 'ckpt'))}")
     again = Run(seed=1, mesh=mesh)
     other = again.manager(shared, "async")
-    enable_datastates(other, host_cache_size="16MiB")
+    enable_datastates(other, engine=engine)
     for step in (2, 4):
         other.load(step=step)
         errors += differences(again.snapshot(), saved[step], f"step {step}")

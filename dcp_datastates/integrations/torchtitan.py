@@ -92,10 +92,11 @@ def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
 class DataStates:
     """What a manager saves and loads with (``manager.datastates``).
 
-    ``engine`` serves every save and load; ``staging`` is the latest async save's staging
-    future (done once its snapshot is copied); ``last_stats()`` gives the latest save's figures.
-    ``close()`` (called when the manager closes: torchtitan closes its ``stager``, which this
-    object stands in for) takes the optimizer hook off and closes an engine the manager owns.
+    ``engine`` serves every save and load; ``staging`` and ``upload`` are the latest async
+    save's futures (its snapshot copied; its checkpoint committed); ``last_stats()`` gives the
+    latest save's figures. ``close()`` (called when the manager closes: torchtitan closes its
+    ``stager``, which this object stands in for) waits for the save in flight, takes the
+    optimizer hook off and closes an engine the manager owns.
     """
 
     engine: Engine
@@ -105,6 +106,7 @@ class DataStates:
     verify_checksums: bool = True
     overlap: bool = True
     staging: Future | None = None
+    upload: Future | None = None
     last_writer: DataStatesWriter | None = None
     _hook: RemovableHandle | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
@@ -130,17 +132,22 @@ class DataStates:
             self._hook = guard(optimizers, self.engine)
 
     def close(self) -> None:
-        """Take the optimizer hook off; close the engine if the manager owns it (after the
-        saves in progress). Idempotent."""
+        """Wait for the save in flight (raising its error), take the optimizer hook off, and
+        close the engine if the manager owns it. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
-        if self.owns_engine:
-            self.engine.close()
+            upload, self.upload = self.upload, None
+        try:
+            if upload is not None:
+                upload.result()
+        finally:
+            if hook is not None:
+                hook.remove()
+            if self.owns_engine:
+                self.engine.close()
 
 
 def _mode(async_mode: object) -> str:
@@ -164,7 +171,7 @@ def _datastates_save(manager: Any, stock_save: Callable[..., Any], state_dict: d
             state_dict, checkpoint_id=checkpoint_id, storage_writer=ds.writer(),
             process_group=manager.pg, async_checkpointer_type=AsyncCheckpointerType.THREAD,
         )
-        ds.staging = response.staging_completion
+        ds.staging, ds.upload = response.staging_completion, response.upload_completion
         if not ds.overlap:
             response.staging_completion.result()
         # torchtitan expects a Future for "async" and an AsyncSaveResponse for the pinned mode

@@ -206,7 +206,7 @@ class SaveJob:
             raise
         finally:
             sums.wait()  # they read the memory released here
-            self._release()  # the bytes are in the file (or the save failed)
+            self._release(claim=False)  # the bytes are in the file (or the save failed)
         self.stats.add_flush(final.file_size, time.perf_counter() - start, file.direct)
         items = tensor_items + raw_items
         sizes = [nbytes_of(t) for t in tensors] + [len(r) for r in raws]
@@ -264,6 +264,10 @@ class SaveJob:
         if error is not None or not self._keeps_turn:
             self.engine.job_done(self)
 
+    def blocks_turns(self) -> bool:
+        """Whether later saves wait for this one: it runs, or its snapshot is still copying."""
+        return self.owner is not None or not self.staged.done()
+
     def abandoned(self) -> bool:
         """Whether the thread that ran this save has left without ending it."""
         owner = self.owner
@@ -280,10 +284,11 @@ class SaveJob:
     def ended(self) -> bool:
         return self._ended
 
-    def _release(self) -> None:
+    def _release(self, claim: bool = True) -> None:
+        """Give back the leases and, with ``claim``, the directory claim."""
         with self._lock:
             leases, self._leases = self._leases, []
-            claim, self._claim = self._claim, None
+            claim, self._claim = (self._claim, None) if claim else (None, self._claim)
         for lease in leases:
             lease.release()
         if claim is not None:
