@@ -4,7 +4,7 @@ In a real torchtitan job, pick one of the two (they do the same):
 
 1. The config: in your torchtitan Python config, replace ``CheckpointManager.Config`` with
    ``DataStatesCheckpointManager.Config`` (same fields, plus ``host_cache_size`` and a few
-   more)::
+   more; a manager whose config sets them makes an engine of its own and closes it)::
 
        from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager
 
@@ -14,13 +14,18 @@ In a real torchtitan job, pick one of the two (they do the same):
            host_cache_size="24GiB",     # about this rank's shard of model + optimizer state
        ),
 
-2. The trainer, without touching the config::
+2. The trainer, without touching the config (saves and loads then go through the process's
+   default engine, whose host cache sizes itself from the states it sees)::
 
        from dcp_datastates.integrations.torchtitan import enable_datastates
 
        trainer = Trainer(config)
-       enable_datastates(trainer.checkpointer, host_cache_size="24GiB")
+       enable_datastates(trainer.checkpointer)
        trainer.train()
+
+Either way each save takes a fresh ``DataStatesWriter()`` and each load a
+``DataStatesReader()``, and the optimizers' step waits for a snapshot still copying
+(``dcp_datastates.guard``).
 
 This script runs way 2 with torchtitan's own ``CheckpointManager``, ``OptimizersContainer`` and
 ``LRSchedulersContainer`` on a toy model (FSDP2 over all ranks), so it needs torchtitan but no
@@ -51,7 +56,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
-from dcp_datastates.integrations.torchtitan import enable_datastates
+from dcp_datastates.integrations.torchtitan import DataStates, enable_datastates
 
 STEPS, INTERVAL = 8, 4
 
@@ -88,22 +93,20 @@ def build(seed: int, device: torch.device) -> tuple[nn.Module, OptimizersContain
 
 
 def make_manager(folder: str, model: nn.Module, optimizers: OptimizersContainer,
-                 schedulers: LRSchedulersContainer, train_state: TrainState,
-                 cache: str) -> CheckpointManager:
+                 schedulers: LRSchedulersContainer,
+                 train_state: TrainState) -> tuple[CheckpointManager, DataStates]:
     config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=INTERVAL,
                                       async_mode="async", keep_latest_k=2,
                                       initial_load_model_only=False)
     manager = config.build(dataloader=None, model_parts=[model], optimizers=optimizers,
                            lr_schedulers=schedulers, states={"train_state": train_state},
                            sd_adapter=None, base_folder=folder)
-    enable_datastates(manager, host_cache_size=cache)
-    return manager
+    return manager, enable_datastates(manager)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", help="base folder (default: a new temporary directory)")
-    parser.add_argument("--host-cache-size", default="64MiB")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -122,8 +125,7 @@ def main() -> None:
 
     model, optimizers, schedulers = build(seed=0, device=device)
     train_state = TrainState()
-    manager = make_manager(folder, model, optimizers, schedulers, train_state,
-                           args.host_cache_size)
+    manager, datastates = make_manager(folder, model, optimizers, schedulers, train_state)
     for step in range(1, STEPS + 1):
         gen = torch.Generator().manual_seed(step)
         x = torch.randn(32, 64, generator=gen).to(device)
@@ -138,6 +140,10 @@ def main() -> None:
         if rank == 0:
             print(f"step {step}: loss {loss.item():.5f}", flush=True)
     manager.close()  # waits for the last upload
+    stats = datastates.last_stats()
+    if rank == 0:
+        print(f"last save: {stats.bytes_written} bytes on this rank, snapshot after "
+              f"{stats.snapshot_s:.3f} s, durable after {stats.durable_s:.3f} s", flush=True)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     expected = get_model_state_dict(model, options=opts)
     expected_optim = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
@@ -145,8 +151,7 @@ def main() -> None:
 
     model2, optimizers2, schedulers2 = build(seed=1, device=device)
     train_state2 = TrainState()
-    manager2 = make_manager(folder, model2, optimizers2, schedulers2, train_state2,
-                            args.host_cache_size)
+    manager2, _ = make_manager(folder, model2, optimizers2, schedulers2, train_state2)
     manager2.load()  # the latest step folder
     got = get_model_state_dict(model2, options=opts)
     got_optim = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
