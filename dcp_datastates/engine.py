@@ -37,6 +37,8 @@ AUTO_BOUNCE_BYTES = 128 << 20
 AUTO_MEMORY_FRACTION = 0.5
 #: How often waits for memory or for a turn look for saves that were abandoned.
 POLL_S = 0.05
+#: A snapshot handed out this long ago that no save has taken no longer holds others up.
+UNTAKEN_GRACE_S = 2.0
 
 
 def available_memory() -> int:
@@ -116,9 +118,12 @@ class Engine:
         the rest in pageable memory), or None where no cache memory can be had.
 
         With ``wait``, blocks while the cache is full (backpressure) until earlier saves have
-        flushed; a request larger than the cache is admitted once nothing else holds it.
-        Without ``wait`` (a save whose turn it is: what holds memory waits behind it), returns
-        None at once when the memory is taken.
+        flushed; a request larger than the cache is admitted once nothing else holds it. It
+        does not wait for snapshots that were handed out but that no save has taken for
+        ``UNTAKEN_GRACE_S`` (only ``writer.close()`` or ``Engine.close()`` can free those):
+        it returns None, and the caller stages in pageable memory. Without ``wait`` (a save
+        whose turn it is: what holds memory waits behind it), returns None at once when the
+        memory is taken.
         """
         if nbytes <= 0:
             return None
@@ -129,8 +134,22 @@ class Engine:
                 return None
             self._check_open()
             self.reap_abandoned()
+            if self._held_only_by_untaken():
+                return None
             arena.pool.wait_for_release(POLL_S)
         return lease
+
+    def _held_only_by_untaken(self) -> bool:
+        with self._lock:
+            holders = [j for j in self._jobs.values() if j.holds_memory()]
+        untaken = [j.id for j in holders if j.untaken_for() >= UNTAKEN_GRACE_S]
+        if holders and len(untaken) == len(holders):
+            log.warning(
+                "dcp_datastates: the host cache is held by snapshot(s) %s that no save has "
+                "taken; staging in pageable memory instead. Call close() on the writer that "
+                "staged them to free the cache", untaken)
+            return True
+        return False
 
     @property
     def bounce(self) -> Arena:
@@ -289,7 +308,8 @@ class Engine:
                 if self.closed:
                     return
                 pending = [j for j in self._jobs.values() if not j.ended]
-                if not pending or time.monotonic() >= deadline:
+                untaken = [j for j in pending if not j.blocks_turns()]  # no save will come
+                if len(untaken) == len(pending) or time.monotonic() >= deadline:
                     self.closed = True
                     self._jobs.clear()
                     break
@@ -321,6 +341,12 @@ def default_engine() -> Engine:
         if _default is None or _default.closed:
             _default = Engine()
         return _default
+
+
+def current_default() -> Engine | None:
+    """The process's engine if one is open, without making one."""
+    engine = _default
+    return engine if engine is not None and not engine.closed else None
 
 
 def _close_default() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .engine import Engine, default_engine
+from .engine import Engine, current_default
 from .writer import DataStatesWriter
 
 
@@ -16,12 +16,21 @@ def guard(optimizer: torch.optim.Optimizer,
     Forward and backward do not change parameters or optimizer state, so a snapshot started by
     ``dcp.async_save`` can copy them while they run; the step is the first place that changes
     them. ``source`` is a writer (its latest snapshot), an engine, or None for the process's
-    engine (every snapshot staged through it: right with a fresh writer per save). The hook
-    returns at once when nothing is copying. Call ``.remove()`` on the handle to take it off.
+    engine of the moment (every snapshot staged through it: right with a fresh writer per
+    save). The hook returns at once when nothing is copying. Call ``.remove()`` on the handle
+    to take it off.
     """
     if isinstance(source, DataStatesWriter):
         wait = source.wait_for_snapshot
+    elif source is not None:
+        wait = source.wait_for_snapshots
     else:
-        engine = source
-        wait = (engine or default_engine()).wait_for_snapshots
+        wait = _wait_default
     return optimizer.register_step_pre_hook(lambda opt, args, kwargs: wait())
+
+
+def _wait_default() -> None:
+    """Wait for the process's engine of the moment (none made yet: nothing to wait for)."""
+    engine = current_default()
+    if engine is not None:
+        engine.wait_for_snapshots()

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .directory import check_direct_io
 from .engine import Engine, default_engine
+from .errors import CheckpointError
 from .jobs.save import SaveJob
 from .stats import SaveStats
 
@@ -113,6 +114,16 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if self._last is not None:
             self._last.copied.wait()
 
+    def close(self) -> None:
+        """Discard snapshots this writer staged that no save has taken (their cache memory is
+        freed); saves in progress are not affected."""
+        with self._lock:
+            pending, self._pending = list(self._pending), deque()
+        for job in pending:
+            job.copied.wait()  # its staging thread must be done with the lease
+            if job.owner is None:
+                job.end(CheckpointError(f"save {job.id}'s snapshot was discarded by close()"))
+
     # -- StorageWriter --------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a save: take the staged job it belongs to (or a new one), wait for its turn."""
@@ -123,9 +134,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 self._pending.popleft()
             staged = self._pending and self._pending[0].staged.done()
             job = self._pending.popleft() if staged else None
-        job = job or self.engine.new_save_job()
+        if job is None:
+            job = self._last = self.engine.new_save_job()  # a plain save
         self._running[threading.get_ident()] = job
-        self._last = job
         try:
             job.claim()
             job.directory = self._checkpoint_dir()

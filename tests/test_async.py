@@ -355,6 +355,32 @@ def test_snapshot_that_no_save_takes_blocks_nothing(tmp_path: Path) -> None:
         engine.close(timeout=1)  # ends what is still waiting
 
 
+def test_snapshot_that_no_save_takes_holds_no_memory(tmp_path: Path) -> None:
+    """A snapshot staged through a writer whose caller then gave up without a save must not
+    keep the cache from the next save: with the cache too small for both, the next snapshot is
+    still staged (in the cache or beside it), saved and loaded; the writer's close() frees it."""
+    engine = Engine(host_cache_size="4MiB", io_backend="threads", io_workers=2)  # 3 MiB cache
+    try:
+        dropped = DataStatesWriter(engine=engine)
+        dropped.stage(
+            {"a": rand_tensor((640_000,), torch.float32, seed=60)}).result(timeout=TIMEOUT)
+        state = {"b": rand_tensor((640_000,), torch.float32, seed=61), "step": 61}
+        expected = clone_state(state)
+        response = dcp.async_save(state, checkpoint_id=tmp_path,
+                                  storage_writer=DataStatesWriter(engine=engine), no_dist=True)
+        try:
+            response.staging_completion.result(timeout=10)
+        except TimeoutError:
+            pytest.fail("the next snapshot waits for memory that a dropped snapshot holds")
+        response.upload_completion.result(timeout=TIMEOUT)
+        assert_state_equal(load_into(expected, tmp_path, engine=engine), expected)
+        assert engine.live_leases() == 1, "the snapshot no save took keeps its lease"
+        dropped.close()
+        assert engine.live_leases() == 0, "close() must free the snapshot no save took"
+    finally:
+        engine.close(timeout=1)  # ends what is still waiting
+
+
 _PROCESS_SCRIPT = textwrap.dedent(
     """
     import os, sys, warnings

@@ -588,3 +588,32 @@ def test_async_save_multi_rank(world: World, shared: Path, engine: Engine, kind:
         errors += differences(full_state(restored, ropt), exp, f"async save at step {step}")
         errors += differences(exp, plain_state(*reference(step)), f"{step}: vs one process")
     agree(errors, f"async saves on {world.size} ranks")
+
+
+def test_plan_caching_across_saves(world: World, shared: Path, engine: Engine) -> None:
+    """DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) skips the global
+    plan on repeated saves of the same structure: each save must still write files of its own
+    and load its own values, also when it overwrites the checkpoint before it."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    mesh = init_device_mesh("cpu", (world.size,))
+    errors: list[str] = []
+    seen: set[str] = set()
+    for step in range(4):
+        full = rand_bits((4 * world.size + 1, 3), torch.float32, seed=100 + step)
+        path = shared / ("again" if step >= 2 else f"step{step}")
+        dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step},
+                 checkpoint_id=path, storage_writer=writer_on(engine, overwrite=True),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        dist.barrier()
+        files = set(data_file_bytes(path))
+        if len(files) != world.size or files & seen:
+            errors.append(f"save {step}: data files {sorted(files)} (earlier: {sorted(seen)})")
+        seen |= files
+        target = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "step": -1}
+        poison(target)
+        dcp.load(target, checkpoint_id=path, storage_reader=DataStatesReader())
+        errors += differences(target["w"].full_tensor(), full, f"save {step}")
+        if target["step"] != step:
+            errors.append(f"save {step}: step loaded as {target['step']}")
+    agree(errors, f"plan caching on {world.size} ranks")

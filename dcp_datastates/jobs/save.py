@@ -68,6 +68,7 @@ class SaveJob:
         self._lock = threading.RLock()
         self._ended = False
         self._keeps_turn = False  # collectives: the turn lasts until the owner thread leaves DCP
+        self._delivered_at: float | None = None  # when the staged dict was handed out
 
     # -- staging (async saves) ------------------------------------------------------------------
     def stage(self, state_dict: dict, after: SaveJob | None) -> Future:
@@ -124,6 +125,7 @@ class SaveJob:
 
     def _deliver(self, state: dict) -> None:
         if not self.staged.done():
+            self._delivered_at = time.monotonic()
             self.staged.set_result(state)
 
     def _hold(self, lease: Lease | None) -> Lease | None:
@@ -263,6 +265,16 @@ class SaveJob:
         self.copied.set()
         if error is not None or not self._keeps_turn:
             self.engine.job_done(self)
+
+    def untaken_for(self) -> float:
+        """Seconds since the snapshot was handed out with no save taking it (0 otherwise)."""
+        at = self._delivered_at
+        if at is None or self.owner is not None or self._ended:
+            return 0.0
+        return time.monotonic() - at
+
+    def holds_memory(self) -> bool:
+        return bool(self._leases)
 
     def blocks_turns(self) -> bool:
         """Whether later saves wait for this one: it runs, or its snapshot is still copying."""
