@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,8 +18,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .directory import check_direct_io
 from .engine import Engine, default_engine
-from .errors import CheckpointError
 from .jobs.save import SaveJob
+from .jobs.staged import StagedSaves
 from .stats import SaveStats
 
 
@@ -67,10 +66,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.overwrite = overwrite
         self.direct_io = direct_io
         self._engine = engine
-        self._pending: deque[SaveJob] = deque()  # staged, not yet taken by a DCP save
+        self._staged = StagedSaves()
         self._running: dict[int, SaveJob] = {}  # thread ident -> its save
         self._last: SaveJob | None = None
-        self._lock = threading.Lock()
         if direct_io and self.path is not None:
             check_direct_io(self.path)
 
@@ -80,27 +78,21 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     # -- DCP's PROCESS checkpointer sends the writer to its own process -------------------------
     def __getstate__(self) -> dict:
-        with self._lock:  # the snapshot pickled just before this is a copy: free the lease
-            job = self._pending.popleft() if self._pending else None
+        job = self._staged.take()  # DCP pickled the snapshot just before: a copy of it
         if job is not None:
             job.hand_off()
         state = self.__dict__.copy()
-        state.update(_engine=None, _pending=deque(), _running={}, _last=None, _lock=None)
+        state.update(_engine=None, _staged=None, _running={}, _last=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self.__dict__.update(state, _staged=StagedSaves())
 
     # -- AsyncStager ----------------------------------------------------------------------------
     def stage(self, state_dict: dict) -> Future:
         """Start snapshotting ``state_dict``; the Future gives the staged copy."""
-        job = self.engine.new_save_job()
-        with self._lock:
-            after = next((j for j in reversed(self._pending) if not j.ended), None)
-            self._pending.append(job)
-            self._last = job
-        return job.stage(state_dict, after)
+        job = self._last = self.engine.new_save_job()
+        return job.stage(state_dict, self._staged.add(job))
 
     def synchronize_staging(self) -> None:
         """Wait for the latest snapshot's copies (DCP's older protocol)."""
@@ -117,23 +109,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def close(self) -> None:
         """Discard snapshots this writer staged that no save has taken (their cache memory is
         freed); saves in progress are not affected."""
-        with self._lock:
-            pending, self._pending = list(self._pending), deque()
-        for job in pending:
-            job.copied.wait()  # its staging thread must be done with the lease
-            if job.owner is None:
-                job.end(CheckpointError(f"save {job.id}'s snapshot was discarded by close()"))
+        self._staged.discard()
 
     # -- StorageWriter --------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a save: take the staged job it belongs to (or a new one), wait for its turn."""
         if checkpoint_id is not None:
             self.path = Path(os.path.expanduser(checkpoint_id))
-        with self._lock:
-            while self._pending and self._pending[0].ended:
-                self._pending.popleft()
-            staged = self._pending and self._pending[0].staged.done()
-            job = self._pending.popleft() if staged else None
+        job = self._staged.take()
         if job is None:
             job = self._last = self.engine.new_save_job()  # a plain save
         self._running[threading.get_ident()] = job
