@@ -30,7 +30,7 @@ from common import dd, drop_cache, fstype
 from plot import plot
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, parse_size
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, parse_size
 from dcp_datastates.sizes import format_size
 
 GiB = 2**30
@@ -179,8 +179,8 @@ def save(state: dict, path: Path, writer: DataStatesWriter | None) -> None:
     dcp.save(state, checkpoint_id=path, storage_writer=w, no_dist=True)
 
 
-def load(dest: dict, path: Path, side: str) -> None:
-    reader = FileSystemReader(path) if side == "dcp" else DataStatesReader()
+def load(dest: dict, path: Path, side: str, engine: Engine) -> None:
+    reader = FileSystemReader(path) if side == "dcp" else DataStatesReader(engine=engine)
     dcp.load(dest, checkpoint_id=path, storage_reader=reader, no_dist=True)
 
 
@@ -232,8 +232,10 @@ def main() -> None:
           f"(built in {time.perf_counter() - t0:.1f} s)", flush=True)
 
     t0 = time.perf_counter()
-    writer = DataStatesWriter(host_cache_size=cache, overwrite=True)
-    writer.engine  # noqa: B018 - allocates the host cache, starts the I/O backend
+    engine = Engine(host_cache_size=cache)
+    engine.reserve(cache // 2).release()  # maps the host cache, starts the I/O backend
+    _ = engine.bounce
+    writer = DataStatesWriter(engine=engine, overwrite=True)
     cache_s = time.perf_counter() - t0
     print(f"DataStatesWriter host cache {format_size(cache)} created in {cache_s:.3f} s "
           f"(one-time, excluded)", flush=True)
@@ -269,7 +271,7 @@ def main() -> None:
                 poison(dest)
                 if not tmpfs:
                     evict = drop_cache([root])
-                how = (dest, ckpt[side], side)
+                how = (dest, ckpt[side], side, engine)
                 op = "load" if tmpfs else "load cold"
                 rec[op][side].append(timed(0, load, *how))
                 verify(state, dest, f"{label} rep {rep} {side}")
@@ -292,7 +294,7 @@ def main() -> None:
                "io_backend": writer.last_stats().backend,
                "o_direct_disk": any(s["o_direct"] for s in ours_stats),
                "loadavg_1min_start_end": [load_before, os.getloadavg()[0]]}
-    writer.close()
+    engine.close()
     print(f"\nmachine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
           f"python {machine['python']}, kernel {machine['kernel']}, "
           f"io backend {machine['io_backend']}; cold reads via {evict}; 1-min load average "

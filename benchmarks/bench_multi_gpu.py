@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, guard
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
 
 
 def build(layers: int, dim: int, device: torch.device, seed: int) -> tuple[nn.Module, object]:
@@ -105,10 +105,11 @@ def main() -> None:
         log(f"{world} ranks, {total / GiB:.2f} GiB of FSDP2 model + AdamW state "
             f"({local_bytes / GiB:.2f} GiB per rank)")
 
-    writer = DataStatesWriter(host_cache_size=local_bytes + (512 << 20), overwrite=True)
-    writer.wait_ready()
+    engine = Engine(host_cache_size=local_bytes + (512 << 20))
+    engine.reserve(local_bytes).release()  # map and pin the cache before timing anything
+    writer = DataStatesWriter(engine=engine, overwrite=True)
     handle = guard(opt, writer)
-    reader = DataStatesReader()
+    reader = DataStatesReader(engine=engine)
     results: dict[str, dict[str, list[float]]] = {"dcp": {}, "ours": {}}
 
     def record(side: str, key: str, value: float) -> None:
@@ -165,7 +166,7 @@ def main() -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
     handle.remove()
-    writer.close()
+    engine.close()
     if rank == 0:
         rows = []
         for side, label in (("dcp", "dcp.save FileSystemWriter"),
