@@ -18,15 +18,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from . import cuda_copy
 from .host_cache import Arena, Lease, round_up
 from .io import IOBackend, make_backend
+from .jobs.save import UNTAKEN_GRACE_S, SaveJob
 from .sizes import format_size, parse_size
-
-if TYPE_CHECKING:
-    from .jobs.save import SaveJob
 
 log = logging.getLogger("dcp_datastates")
 
@@ -37,8 +34,9 @@ AUTO_BOUNCE_BYTES = 128 << 20
 AUTO_MEMORY_FRACTION = 0.5
 #: How often waits for memory or for a turn look for saves that were abandoned.
 POLL_S = 0.05
-#: A snapshot handed out this long ago that no save has taken no longer holds others up.
-UNTAKEN_GRACE_S = 2.0
+#: How often the engine looks for saves that DCP left, when nothing else does.
+WATCH_S = 0.25
+
 
 
 def available_memory() -> int:
@@ -104,6 +102,10 @@ class Engine:
         self._tickets = itertools.count(1)
         self._jobs: dict[int, SaveJob] = {}
         self.closed = False
+        # ends saves that DCP left without telling the writer (their lock, memory, turn)
+        self._watcher = threading.Thread(target=self._watch, name="dcp_datastates-watch",
+                                         daemon=True)
+        self._watcher.start()
 
     # -- context manager ------------------------------------------------------------------------
     def __enter__(self) -> Engine:
@@ -238,8 +240,7 @@ class Engine:
     # -- save jobs and their turns --------------------------------------------------------------
     def new_save_job(self) -> SaveJob:
         """A save job holding the next ticket: its storage steps run after every earlier one's."""
-        from .jobs.save import SaveJob
-
+        self.reap_abandoned()
         with self._lock:
             self._check_open()
             job = SaveJob(self, next(self._tickets))
@@ -273,10 +274,22 @@ class Engine:
         for job in jobs:
             job.copied.wait()
 
+    def _watch(self) -> None:
+        with self._lock:
+            while not self.closed:
+                self._lock.wait(WATCH_S)
+                if self._jobs and not self.closed:
+                    self._lock.release()
+                    try:
+                        self.reap_abandoned()
+                    finally:
+                        self._lock.acquire()
+
     def end_saves_left_by(self, thread: threading.Thread, current: SaveJob) -> None:
         """``thread`` starts ``current``: a save it ran before is over, finished or not."""
         with self._lock:
-            jobs = [j for j in self._jobs.values() if j.owner is thread and j is not current]
+            jobs = [j for j in self._jobs.values()
+                    if j.caller is not None and j.caller.thread is thread and j is not current]
         for job in jobs:
             job.end_abandoned()
 
@@ -316,6 +329,9 @@ class Engine:
                 self._lock.wait(POLL_S)
         for job in pending:
             job.end(RuntimeError(f"the engine was closed before save {job.id} finished"))
+        with self._lock:
+            self._lock.notify_all()
+        self._watcher.join()
         self.stage_pool.shutdown(wait=True)
         self.io_pool.shutdown(wait=True)
         with self._grow_lock:

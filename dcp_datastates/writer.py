@@ -92,7 +92,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict) -> Future:
         """Start snapshotting ``state_dict``; the Future gives the staged copy."""
         job = self._last = self.engine.new_save_job()
-        return job.stage(state_dict, self._staged.add(job))
+        self._staged.add(job)
+        return job.stage(state_dict)
 
     def synchronize_staging(self) -> None:
         """Wait for the latest snapshot's copies (DCP's older protocol)."""
@@ -174,8 +175,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     # -- internals ------------------------------------------------------------------------------
     def _current(self) -> SaveJob:
-        """This thread's save; DCP calls ``reset`` only when given a ``checkpoint_id``."""
-        if threading.get_ident() not in self._running:
+        """This thread's save; DCP calls ``reset`` only when given a ``checkpoint_id``, so a
+        step of a new save may come first (the last one left by DCP is then over)."""
+        job = self._running.get(threading.get_ident())
+        if job is None or job.ended or job.abandoned():
             self.reset()
         return self._running[threading.get_ident()]
 

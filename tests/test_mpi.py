@@ -617,3 +617,28 @@ def test_plan_caching_across_saves(world: World, shared: Path, engine: Engine) -
         if target["step"] != step:
             errors.append(f"save {step}: step loaded as {target['step']}")
     agree(errors, f"plan caching on {world.size} ranks")
+
+
+def test_plain_save_then_async_saves(world: World, shared: Path, engine: Engine) -> None:
+    """A plain dcp.save (say at step 0) and then async saves with fresh writers: the finished
+    plain save holds nothing up on any rank."""
+    mesh = init_device_mesh("cpu", (world.size,))
+    errors: list[str] = []
+    for step in range(3):
+        full = rand_bits((4 * world.size + 2, 5), torch.float32, seed=200 + step)
+        state = {"w": distribute_tensor(full, mesh, [Shard(0)])}
+        path = shared / f"s{step}"
+        if step == 0:
+            dcp.save(state, checkpoint_id=path, storage_writer=writer_on(engine))
+        else:
+            response = dcp.async_save(state, checkpoint_id=path, storage_writer=writer_on(engine))
+            try:
+                response.upload_completion.result(timeout=60)
+            except TimeoutError:
+                errors.append(f"async save {step} did not finish after a plain save")
+                break
+        target = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
+        poison(target)
+        dcp.load(target, checkpoint_id=path, storage_reader=DataStatesReader())
+        errors += differences(target["w"].full_tensor(), full, f"save {step}")
+    agree(errors, f"plain then async saves on {world.size} ranks")

@@ -68,25 +68,27 @@ class LoadJob:
         jobs: list[tuple[ReadItem, torch.Tensor | None, Future]] = []
         spans: list[Future] = []
         small: dict[str, list[_Small]] = defaultdict(list)
+        room = self.engine.bounce.pool.capacity  # a span must fit in one bounce lease
+        small_max = min(SMALL_ITEM_BYTES, room)
         try:
             for req in plan.items:
                 loc = self._location(req)
                 f = files.open(loc, req)
                 if req.type == LoadItemType.BYTE_IO:
-                    if loc.length < SMALL_ITEM_BYTES:
+                    if loc.length < small_max:
                         small[loc.file].append(_Small(req, loc, None))
                     else:
                         jobs.append((req, None, self.engine.submit(
                             self._read_bytes, backend, f, loc, req)))
                     continue
                 target = planner.resolve_tensor(req).detach()
-                if loc.length < SMALL_ITEM_BYTES and not target.is_cuda:
+                if loc.length < small_max and not target.is_cuda:
                     small[loc.file].append(_Small(req, loc, target))
                     continue
                 jobs.append((req, target, self.engine.submit(
                     self._read_tensor, backend, f, loc, req, target)))
             for name, items in small.items():
-                for group in _spans(items):
+                for group in _spans(items, min(SPAN_BYTES, room)):
                     spans.append(self.engine.submit(self._read_span, files.get(name), group))
             done = [(req, target, job.result()) for req, target, job in jobs]
             span_results = [s.result() for s in spans]
@@ -284,14 +286,14 @@ class LoadJob:
 
 
 
-def _spans(items: list[_Small]) -> list[list[_Small]]:
+def _spans(items: list[_Small], limit: int) -> list[list[_Small]]:
     """Group a file's small items (by offset) into spans read in one request each."""
     items = sorted(items, key=lambda i: i.loc.offset)
     groups: list[list[_Small]] = []
     lo = end = 0
     for item in items:
         a, b = item.loc.offset, item.loc.offset + item.loc.length
-        if groups and a - end <= SPAN_GAP and b - lo <= SPAN_BYTES:
+        if groups and a - end <= SPAN_GAP and b - lo <= limit:
             groups[-1].append(item)
             end = max(end, b)
         else:

@@ -18,7 +18,6 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -33,6 +32,7 @@ from ..metadata_file import METADATA_NAME, ItemLocation, write_metadata
 from ..sizes import format_size
 from ..snapshot import copy_into, layout, nbytes_of, rebuild, walk
 from ..stats import SaveStats
+from .caller import Caller
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -41,10 +41,27 @@ except ImportError:  # older torch: the version its own writer stamps
 
 log = logging.getLogger("dcp_datastates")
 
+#: A snapshot handed out this long ago that no save has taken no longer holds others up.
+UNTAKEN_GRACE_S = 2.0
 #: Stands for a bytes item's size before it is serialized (no real size has more digits).
 _SIZE_BOUND = 10**15
 #: Checksum tasks cover at least this many bytes or items.
 _SUM_BYTES, _SUM_ITEMS = 16 << 20, 4096
+
+
+class StagedFuture(Future):
+    """The staged state dict; remembers which threads asked for it (DCP's upload thread does,
+    before it starts the save), which ties a DCP save to its snapshot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.takers: list[threading.Thread] = []
+
+    def result(self, timeout: float | None = None) -> object:
+        me = threading.current_thread()
+        if me not in self.takers and not me.name.startswith("dcp_datastates-"):
+            self.takers.append(me)
+        return super().result(timeout)
 
 
 class SaveJob:
@@ -55,11 +72,10 @@ class SaveJob:
         self.id = ticket
         self.state = "planned"
         self.stats = SaveStats(backend=engine.io.name)
-        self.staged: Future = Future()  # the staged state dict (async saves)
+        self.staged = StagedFuture()  # the staged state dict (async saves)
         self.copied = threading.Event()  # the snapshot's copies are over
         self.persisted: Future = Future()  # this rank's data durable (and committed: coordinator)
-        self.claimed: Future = Future()  # a DCP save (or its child process) took the job
-        self.owner: threading.Thread | None = None
+        self.caller: Caller | None = None  # the thread and DCP call running the save
         self.is_coordinator = True
         self.token = new_token()
         self.directory: Path | None = None
@@ -67,17 +83,17 @@ class SaveJob:
         self._claim: DirectoryClaim | None = None
         self._lock = threading.RLock()
         self._ended = False
-        self._keeps_turn = False  # collectives: the turn lasts until the owner thread leaves DCP
         self._delivered_at: float | None = None  # when the staged dict was handed out
+        self._stager: threading.Thread | None = None  # the thread that called stage()
 
     # -- staging (async saves) ------------------------------------------------------------------
-    def stage(self, state_dict: dict, after: SaveJob | None) -> Future:
+    def stage(self, state_dict: dict) -> StagedFuture:
         """Start the snapshot; return a Future of the staged state dict.
 
         Runs on the caller's thread only to record the structure and a CUDA event; the copies
-        run on the engine's staging thread. The Future is completed once ``after`` (the
-        writer's previous save) has been claimed, so DCP threads take jobs in order.
+        run on the engine's staging thread.
         """
+        self._stager = threading.current_thread()
         sources: list[torch.Tensor] = []
         dtensors: set[int] = set()
         try:
@@ -87,14 +103,14 @@ class SaveJob:
             ready = cuda.record_current(devices) if devices and cuda is not None else None
             self.state = "staging"
             self.stats.blocking_s = time.perf_counter() - self.stats.start
-            self.engine.stage_pool.submit(self._stage, skeleton, sources, dtensors, ready, after)
+            self.engine.stage_pool.submit(self._stage, skeleton, sources, dtensors, ready)
         except BaseException as exc:
             self.end(exc)
             raise
         return self.staged
 
     def _stage(self, skeleton: object, sources: list[torch.Tensor], dtensors: set[int],
-               ready: dict | None, after: SaveJob | None) -> None:
+               ready: dict | None) -> None:
         try:
             offsets, total = layout(sources)
             lease = self._hold(self.engine.reserve(total))
@@ -118,12 +134,6 @@ class SaveJob:
                 "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
                 "staged in pageable memory (slower); give the engine a larger host_cache_size",
                 self.id, format_size(overflow))
-        if after is None:
-            self._deliver(state)
-        else:
-            after.claimed.add_done_callback(lambda _: self._deliver(state))
-
-    def _deliver(self, state: dict) -> None:
         if not self.staged.done():
             self._delivered_at = time.monotonic()
             self.staged.set_result(state)
@@ -140,15 +150,15 @@ class SaveJob:
     # -- the DCP save ---------------------------------------------------------------------------
     def claim(self) -> None:
         """The calling thread runs this save now; any save it left unfinished is over."""
-        self.owner = threading.current_thread()
-        if not self.claimed.done():
-            self.claimed.set_result(None)
-        self.engine.end_saves_left_by(self.owner, self)
+        self.caller = Caller.here()
+        self.engine.end_saves_left_by(self.caller.thread, self)
 
     def set_up(self, is_coordinator: bool) -> None:
         self.is_coordinator = is_coordinator
-        self._keeps_turn = dist.is_available() and dist.is_initialized() and (
-            dist.get_world_size() > 1)
+
+    def taken_by(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` took this job's staged state dict (DCP's upload thread does)."""
+        return not self._ended and self.caller is None and thread in self.staged.takers
 
     def prepare(self, overwrite: bool) -> None:
         """Create the directory; the coordinator claims it and checks for a checkpoint."""
@@ -228,17 +238,30 @@ class SaveJob:
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = storage_meta
         metadata.version = CURRENT_DCP_VERSION
-        fsync_dir(directory)
-        write_metadata(directory, metadata, self.token)
-        keep = {loc.file for loc in metadata.storage_data.values()}
-        if remove_unreferenced(directory, keep):
+        ours = {loc.file for loc in metadata.storage_data.values()}
+        try:
+            fsync_dir(directory)
+            write_metadata(directory, metadata, self.token)
+        except BaseException:
+            if not self._committed(directory):  # no .metadata names them: nothing will
+                for name in ours:  # every rank's file of this save
+                    (directory / name).unlink(missing_ok=True)
+            raise
+        if remove_unreferenced(directory, ours):
             fsync_dir(directory)
         self.end(None)
+
+    def _committed(self, directory: Path) -> bool:
+        """Whether the directory's ``.metadata`` is this save's (its token is in it)."""
+        try:
+            return self.token.encode() in (directory / METADATA_NAME).read_bytes()
+        except OSError:
+            return False
 
     def hand_off(self) -> None:
         """DCP's PROCESS checkpointer has pickled (so copied) the snapshot to its process:
         the lease is free, and the rest of the save is that process's."""
-        self.claim()
+        self.caller = Caller.here()
         self.state = "handed_off"
         self.end(None)
 
@@ -256,20 +279,22 @@ class SaveJob:
             self.stats.durable_s = time.perf_counter() - self.stats.start
             if self.stats.bytes_written:
                 self.stats.log()
-        for future in (self.staged, self.persisted, self.claimed):
+        for future in (self.staged, self.persisted):
             if not future.done():
                 if error is None:
                     future.set_result(None)
                 else:
                     future.set_exception(error)
         self.copied.set()
-        if error is not None or not self._keeps_turn:
-            self.engine.job_done(self)
+        self.engine.job_done(self)
+
+    def _takers(self) -> list[threading.Thread]:
+        return [t for t in self.staged.takers if t is not self._stager]
 
     def untaken_for(self) -> float:
         """Seconds since the snapshot was handed out with no save taking it (0 otherwise)."""
         at = self._delivered_at
-        if at is None or self.owner is not None or self._ended:
+        if at is None or self.caller is not None or self._ended or self._takers():
             return 0.0
         return time.monotonic() - at
 
@@ -277,20 +302,31 @@ class SaveJob:
         return bool(self._leases)
 
     def blocks_turns(self) -> bool:
-        """Whether later saves wait for this one: it runs, or its snapshot is still copying."""
-        return self.owner is not None or not self.staged.done()
+        """Whether later saves wait for this one: it runs, its snapshot is still copying, a DCP
+        thread took the snapshot and is on its way, or it was handed out only just now."""
+        if self._ended:
+            return False
+        if self.caller is not None or not self.staged.done():
+            return True
+        if any(t.is_alive() for t in self._takers()):
+            return True
+        return not self._takers() and self.untaken_for() < UNTAKEN_GRACE_S
 
     def abandoned(self) -> bool:
-        """Whether the thread that ran this save has left without ending it."""
-        owner = self.owner
-        return owner is not None and not owner.is_alive()
+        """Whether DCP left this save without ending it: the call that ran it returned (or
+        its thread ended), or the thread that took its snapshot ended before starting it."""
+        if self._ended:
+            return False
+        if self.caller is not None:
+            return self.caller.gone()
+        takers = self._takers()
+        return bool(takers) and not any(t.is_alive() for t in takers)
 
     def end_abandoned(self) -> None:
-        """The owner thread left DCP: end the save (a failure unless its part was done)."""
+        """DCP left the save: end it, releasing what it holds."""
         self.end(CheckpointError(
             f"save {self.id} stopped outside dcp_datastates (another rank, the planner or DCP "
             f"failed); what it held is released"))
-        self.engine.job_done(self)
 
     @property
     def ended(self) -> bool:
