@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import MARKS, assert_state_equal, clone_state, data_files, load_into, rand_tensor
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from dcp_datastates import CheckpointError, DataStatesWriter, Engine
+from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, Engine
 from dcp_datastates.directory import DirectoryClaim
 
 pytestmark = MARKS
@@ -159,3 +159,32 @@ def test_writer_close_discards_an_untaken_snapshot(make_engine) -> None:
     assert engine.live_leases() == 1
     writer.close()
     assert engine.live_leases() == 0
+
+
+class _OverwritingPlanner(DefaultLoadPlanner):
+    """Commits a new checkpoint into the directory after the load read ``.metadata``."""
+
+    def __init__(self, save: object) -> None:
+        super().__init__()
+        self.save = save
+
+    def create_local_plan(self) -> object:
+        self.save()
+        return super().create_local_plan()
+
+
+def test_load_racing_an_overwrite_says_superseded(tmp_path: Path, make_engine) -> None:
+    engine = make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=2)
+    old, new = _state(9), _state(10)
+    dcp.save(old, checkpoint_id=tmp_path, no_dist=True,
+             storage_writer=DataStatesWriter(engine=engine))
+
+    def overwrite() -> None:
+        dcp.save(new, checkpoint_id=tmp_path, no_dist=True,
+                 storage_writer=DataStatesWriter(engine=engine, overwrite=True))
+
+    with pytest.raises(BaseException, match="replaced by a newer save while this load read it"):
+        dcp.load(clone_state(old), checkpoint_id=tmp_path, no_dist=True,
+                 planner=_OverwritingPlanner(overwrite),
+                 storage_reader=DataStatesReader(engine=engine))
+    assert_state_equal(load_into(clone_state(new), tmp_path), new)  # load again: the new one

@@ -25,11 +25,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..checksums import memory_at, verify_span
 from ..directory import memory_backed
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from ..file_format import read_header
 from ..host_cache import Lease, round_up
 from ..io.base import ALIGN, IOBackend, IOReq
-from ..metadata_file import ItemLocation
+from ..metadata_file import METADATA_NAME, ItemLocation
 from ..stats import LoadStats
 
 #: Items (whole stored chunks) smaller than this are read together with their neighbours.
@@ -329,6 +329,11 @@ class _OpenFiles:
                 # O_NONBLOCK: a FIFO planted under a data file's name must not hang the open
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
             except FileNotFoundError:
+                if self._superseded(loc.file):
+                    raise CheckpointError(
+                        f"checkpoint {self.directory} was replaced by a newer save while this "
+                        f"load read it (its data file {loc.file} is gone); load it again"
+                    ) from None
                 raise CheckpointCorruptError(
                     f"checkpoint {self.directory}: data file {loc.file} is missing (item "
                     f"{req.storage_index.fqn!r} lives there)"
@@ -382,6 +387,13 @@ class _OpenFiles:
         if loc.offset < data_start:
             os.close(fd)
             raise CheckpointCorruptError(f"{what}: offset {loc.offset} lies inside the header")
+
+    def _superseded(self, name: str) -> bool:
+        """Whether the directory's ``.metadata`` no longer names data file ``name``."""
+        try:
+            return name.encode() not in (self.directory / METADATA_NAME).read_bytes()
+        except OSError:
+            return False
 
     def get(self, name: str) -> _File:
         return self._files[name]
