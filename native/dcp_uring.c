@@ -6,8 +6,11 @@
 #include <liburing.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
 /* One piece in flight. */
 typedef struct {
@@ -20,11 +23,31 @@ typedef struct {
     struct io_uring ring;
     unsigned depth;
     int broken;          /* submit, wait or unregister failed hard: refuse further use */
+    int dense_only;      /* the kernel has no sparse buffer tables: re-register sets in full */
     dsu_slot *slots;     /* depth entries */
     unsigned *free_idx;  /* stack of free slot indices */
-    struct iovec *iov;   /* registered fixed buffers (nreg entries) */
+    struct iovec *tab;   /* the kernel's fixed-buffer table (cap entries, empty ones {NULL, 0}) */
+    unsigned cap;        /* 0: no table registered */
+    unsigned *used;      /* indices of the nreg non-empty entries of tab (cap entries) */
     unsigned nreg;
 } dsu_ring;
+
+/* Linux 6.12+ (include/uapi/linux/io_uring.h); Debian's liburing 2.3 has neither. 6.12 itself has
+ * pad[6] where later kernels have src_off, dst_off, nr: all zero means "the whole table". */
+#define DSU_REGISTER_CLONE_BUFFERS 30
+struct dsu_clone_buffers {
+    uint32_t src_fd;
+    uint32_t flags;
+    uint32_t src_off;
+    uint32_t dst_off;
+    uint32_t nr;
+    uint32_t pad[3];
+};
+
+/* Smallest table we register: slots are cheap (a pointer each in the kernel), and growing the
+ * table means registering, hence pinning, every buffer anew. */
+#define DSU_MIN_TABLE 1024u
+#define DSU_MAX_TABLE 16384u /* IORING_MAX_REG_BUFFERS */
 
 int dsu_abi_version(void)
 {
@@ -59,16 +82,170 @@ int dsu_create(unsigned depth, void **ring_out)
     return 0;
 }
 
+static void forget_table(dsu_ring *r)
+{
+    free(r->tab);
+    free(r->used);
+    r->tab = NULL;
+    r->used = NULL;
+    r->cap = r->nreg = 0;
+}
+
 void dsu_destroy(void *ring)
 {
     dsu_ring *r = ring;
     if (!r)
         return;
     io_uring_queue_exit(&r->ring); /* also drops buffer registrations */
-    free(r->iov);
+    forget_table(r);
     free(r->slots);
     free(r->free_idx);
     free(r);
+}
+
+/* Recount the non-empty entries of the table. */
+static void reindex(dsu_ring *r)
+{
+    r->nreg = 0;
+    for (unsigned i = 0; i < r->cap; i++)
+        if (r->tab[i].iov_len > 0)
+            r->used[r->nreg++] = i;
+}
+
+/* Drop the whole table (and the pins no other ring shares). On failure the ring is broken. */
+static int drop_table(dsu_ring *r)
+{
+    if (r->cap == 0)
+        return 0;
+    int ret;
+    do
+        ret = io_uring_unregister_buffers(&r->ring);
+    while (ret == -EINTR || ret == -EAGAIN);
+    if (ret < 0) {
+        r->broken = 1; /* the old set is still pinned: only dsu_destroy drops it now */
+        return ret;
+    }
+    forget_table(r);
+    return 0;
+}
+
+/* Room for a table of cap entries, all empty (the kernel's table is not touched). */
+static int alloc_table(dsu_ring *r, unsigned cap)
+{
+    r->tab = calloc(cap, sizeof(*r->tab));
+    r->used = calloc(cap, sizeof(*r->used));
+    if (!r->tab || !r->used) {
+        forget_table(r);
+        return -ENOMEM;
+    }
+    r->cap = cap;
+    r->nreg = 0;
+    return 0;
+}
+
+/* Put iov (or nothing: {NULL, 0}) into slot i of the kernel's table; pins iov's pages. */
+static int set_slot(dsu_ring *r, unsigned i, const struct iovec *iov)
+{
+    int ret;
+    do
+        ret = io_uring_register_buffers_update_tag(&r->ring, i, iov, NULL, 1);
+    while (ret == -EINTR || ret == -EAGAIN);
+    if (ret < 0)
+        return ret;
+    if (ret != 1)
+        return -EIO;
+    r->tab[i] = *iov;
+    return 0;
+}
+
+/* Turn the table into `want` (count > 0) slot by slot: held iovecs stay, the rest are cleared,
+ * new ones go to empty slots. Returns 1 (nothing done) if the table is too small. */
+static int apply_diff(dsu_ring *r, const struct iovec *want, size_t count)
+{
+    char *keep = calloc(r->cap, 1), *have = calloc(count, 1);
+    int ret = -ENOMEM;
+    if (!keep || !have)
+        goto out;
+    size_t kept = 0;
+    for (size_t i = 0; i < count; i++) {
+        for (unsigned k = 0; k < r->nreg; k++) {
+            unsigned s = r->used[k];
+            if (!keep[s] && r->tab[s].iov_base == want[i].iov_base &&
+                r->tab[s].iov_len == want[i].iov_len) {
+                keep[s] = have[i] = 1;
+                kept++;
+                break;
+            }
+        }
+    }
+    ret = 1;
+    if (count > r->cap) /* count - kept new ones, r->cap - kept empty slots once cleared */
+        goto out;
+    static const struct iovec empty = {NULL, 0};
+    ret = 0;
+    for (unsigned k = 0; k < r->nreg && ret == 0; k++)
+        if (!keep[r->used[k]])
+            ret = set_slot(r, r->used[k], &empty);
+    if (ret < 0) { /* a slot we meant to clear may still hold a buffer not in `want` */
+        int dropped = drop_table(r);
+        ret = dropped < 0 ? dropped : ret;
+        goto out;
+    }
+    unsigned s = 0;
+    for (size_t i = 0; i < count && ret == 0; i++) {
+        if (have[i])
+            continue;
+        while (r->tab[s].iov_len > 0)
+            s++; /* there is room: counted above */
+        ret = set_slot(r, s, &want[i]);
+    }
+out:
+    if (r->cap > 0)
+        reindex(r);
+    free(keep);
+    free(have);
+    return ret;
+}
+
+/* Register a new table holding `want` (count > 0, no table registered). */
+static int new_table(dsu_ring *r, struct iovec *want, size_t count)
+{
+    if (count > DSU_MAX_TABLE)
+        return -EINVAL;
+    if (!r->dense_only) {
+        unsigned cap = count > DSU_MIN_TABLE / 2 ? (unsigned)count * 2 : DSU_MIN_TABLE;
+        if (cap > DSU_MAX_TABLE)
+            cap = DSU_MAX_TABLE;
+        int ret = alloc_table(r, cap);
+        if (ret < 0)
+            return ret;
+        do
+            ret = io_uring_register_buffers_sparse(&r->ring, cap);
+        while (ret == -EINTR || ret == -EAGAIN);
+        if (ret == 0) {
+            for (size_t i = 0; i < count && ret == 0; i++)
+                ret = set_slot(r, (unsigned)i, &want[i]);
+            reindex(r);
+            return ret; /* on failure the table holds a part of `want` */
+        }
+        forget_table(r);
+        if (ret != -EINVAL)
+            return ret;
+        r->dense_only = 1; /* before Linux 5.19 */
+    }
+    int ret = alloc_table(r, (unsigned)count);
+    if (ret < 0)
+        return ret;
+    do
+        ret = io_uring_register_buffers(&r->ring, want, (unsigned)count);
+    while (ret == -EINTR || ret == -EAGAIN);
+    if (ret < 0) {
+        forget_table(r);
+        return ret;
+    }
+    memcpy(r->tab, want, count * sizeof(*want));
+    reindex(r);
+    return 0;
 }
 
 int dsu_set_buffers(void *ring, const dsu_buf *bufs, size_t n)
@@ -86,40 +263,57 @@ int dsu_set_buffers(void *ring, const dsu_buf *bufs, size_t n)
         if (count > 65536) /* the kernel allows 16384 */
             return -EINVAL;
     }
-    struct iovec *iov = NULL;
-    if (count > 0 && !(iov = calloc(count, sizeof(*iov))))
+    struct iovec *want = NULL;
+    if (count > 0 && !(want = calloc(count, sizeof(*want))))
         return -ENOMEM;
     size_t k = 0;
     for (size_t i = 0; i < n; i++) {
         for (uint64_t off = 0; off < bufs[i].nbytes; off += DSU_MAX_PIECE) {
             uint64_t left = bufs[i].nbytes - off;
-            iov[k].iov_base = (void *)(uintptr_t)(bufs[i].addr + off);
-            iov[k++].iov_len = left < DSU_MAX_PIECE ? left : DSU_MAX_PIECE;
+            want[k].iov_base = (void *)(uintptr_t)(bufs[i].addr + off);
+            want[k++].iov_len = left < DSU_MAX_PIECE ? left : DSU_MAX_PIECE;
         }
     }
-    if (r->nreg > 0) {
-        int ret;
-        do
-            ret = io_uring_unregister_buffers(&r->ring);
-        while (ret == -EINTR || ret == -EAGAIN);
-        if (ret < 0) {
-            r->broken = 1; /* the old set is still pinned: only dsu_destroy drops it now */
-            free(iov);
-            return ret;
-        }
+    int ret = 1;
+    if (r->cap > 0 && !r->dense_only && count > 0)
+        ret = apply_diff(r, want, count);
+    if (ret > 0) { /* no table, an empty set, too small a table, or an old kernel */
+        ret = drop_table(r);
+        if (ret == 0 && count > 0)
+            ret = new_table(r, want, count);
     }
-    free(r->iov);
-    r->iov = NULL;
-    r->nreg = 0;
-    if (count == 0)
-        return 0;
-    int ret = io_uring_register_buffers(&r->ring, iov, (unsigned)count);
+    free(want);
+    return ret;
+}
+
+int dsu_share_buffers(void *dst, void *src)
+{
+    dsu_ring *d = dst, *s = src;
+    if (!d || !s || d == s)
+        return -EINVAL;
+    if (d->broken || s->broken)
+        return -EBADFD;
+    int ret = drop_table(d);
+    if (ret < 0 || s->nreg == 0)
+        return ret;
+    ret = alloc_table(d, s->cap);
+    if (ret < 0)
+        return ret;
+    struct dsu_clone_buffers arg;
+    memset(&arg, 0, sizeof(arg));
+    arg.src_fd = (uint32_t)s->ring.ring_fd;
+    do
+        ret = (int)syscall(__NR_io_uring_register, d->ring.ring_fd, DSU_REGISTER_CLONE_BUFFERS,
+                           &arg, 1);
+    while (ret < 0 && errno == EINTR);
     if (ret < 0) {
-        free(iov);
+        ret = -errno;
+        forget_table(d);
         return ret;
     }
-    r->iov = iov;
-    r->nreg = (unsigned)count;
+    memcpy(d->tab, s->tab, s->cap * sizeof(*s->tab));
+    d->dense_only = s->dense_only;
+    reindex(d);
     return 0;
 }
 
@@ -134,10 +328,11 @@ int dsu_registered(void *ring)
 /* Fixed-buffer index holding addr (and how many bytes of it from addr), or -1. */
 static int find_fixed(const dsu_ring *r, uint64_t addr, uint64_t *room)
 {
-    for (unsigned i = 0; i < r->nreg; i++) {
-        uint64_t base = (uint64_t)(uintptr_t)r->iov[i].iov_base;
-        if (addr >= base && addr - base < r->iov[i].iov_len) {
-            *room = base + r->iov[i].iov_len - addr;
+    for (unsigned k = 0; k < r->nreg; k++) {
+        unsigned i = r->used[k];
+        uint64_t base = (uint64_t)(uintptr_t)r->tab[i].iov_base;
+        if (addr >= base && addr - base < r->tab[i].iov_len) {
+            *room = base + r->tab[i].iov_len - addr;
             return (int)i;
         }
     }

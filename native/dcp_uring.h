@@ -18,7 +18,7 @@ extern "C" {
 #define DSU_API __attribute__((visibility("default")))
 
 /* Bumped on every change of this interface; dcp_datastates refuses a shim of another version. */
-#define DSU_ABI_VERSION 2
+#define DSU_ABI_VERSION 3
 
 /* Returned by dsu_rw when a read meets end of file before the request is complete.
  * It is outside the errno range (errno values are < 4096), so it cannot be confused with one. */
@@ -49,14 +49,24 @@ DSU_API int dsu_create(unsigned depth, void **ring_out);
 /* Tear the ring down (releases its buffer registrations). NULL is accepted. */
 DSU_API void dsu_destroy(void *ring);
 
-/* Make `bufs` (n entries, each split into <= 1 GiB iovecs) the ring's whole fixed-buffer set,
- * replacing the previous one; n == 0 empties it. Only call it while the ring is idle. Returns 0
- * or -errno; on failure the ring holds no fixed buffers (dsu_rw then uses plain READ/WRITE for
- * everything), or, where the old set could not be dropped, the ring is broken. */
+/* Make `bufs` (n entries, each split into <= 1 GiB iovecs) the ring's whole fixed-buffer set;
+ * n == 0 empties it. Only call it while the ring is idle. Where the kernel has sparse tables
+ * (5.19+) only the difference is applied: an iovec already held keeps its slot and its pin, only
+ * new iovecs are pinned (and accounted), dropped ones are released; older kernels get the whole
+ * set registered anew. Returns 0 or -errno; on failure the ring holds some of `bufs` or none
+ * (call again with the set you want; dsu_rw uses plain READ/WRITE for what is not held), or,
+ * where a registration could not be dropped, the ring is broken. */
 DSU_API int dsu_set_buffers(void *ring, const dsu_buf *bufs, size_t n);
 
-/* Number of fixed-buffer iovecs the ring holds, or -EBADFD once it is broken (a failure left
- * its state unknown: destroy it). */
+/* Make `dst`'s fixed-buffer set the one `src` holds, sharing its pinned pages: nothing is pinned
+ * or charged to RLIMIT_MEMLOCK again (IORING_REGISTER_CLONE_BUFFERS, Linux 6.12+). Both rings
+ * must belong to this process and be idle. The pages stay pinned until every ring holding them
+ * dropped them. Returns 0 or -errno (EINVAL where the kernel cannot clone); on failure `dst`
+ * holds no fixed buffers (or is broken, as for dsu_set_buffers). */
+DSU_API int dsu_share_buffers(void *dst, void *src);
+
+/* Number of fixed-buffer iovecs the ring holds (its own or shared), or -EBADFD once it is
+ * broken (a failure left its state unknown: destroy it). */
 DSU_API int dsu_registered(void *ring);
 
 /* Perform every request (write != 0: memory -> file, else file -> memory). Requests are split

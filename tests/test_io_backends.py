@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -363,7 +364,7 @@ def test_shim_reports_abi_version(tmp_path: Path) -> None:
     UringBackend(shim=copy).close()  # each backend loads the shim it is given
 
 
-@pytest.mark.parametrize("version", [None, 1, 3])
+@pytest.mark.parametrize("version", [None, 1, ABI_VERSION - 1, ABI_VERSION + 1])
 def test_check_abi_refuses_other_versions(version: int | None) -> None:
     lib = SimpleNamespace() if version is None else SimpleNamespace(dsu_abi_version=lambda: version)
     want = (
@@ -472,6 +473,30 @@ def test_stale_registration_writes_freed_pages(tmp_path: Path) -> None:
         backend.close()
 
 
+def test_changing_the_set_keeps_existing_registrations(tmp_path: Path) -> None:
+    """Registering or dropping another buffer leaves the others' registrations (and pins) as they
+    are, instead of pinning every buffer anew: seen here through a stale registration, which
+    keeps writing the pages it pinned first."""
+    n, path = MiB, tmp_path / "f.bin"
+    backend = _uring(max_io=MiB)
+    other, third = mmap.mmap(-1, n), mmap.mmap(-1, n)
+    try:
+        with _anon(n) as addr:
+            ctypes.memset(addr, 0xAA, n)
+            backend.register(addr, n)
+        with _anon(n, at=addr) as again:
+            ctypes.memset(again, 0x55, n)
+            backend.register(_addr(other), n)
+            backend.register(_addr(third), n)
+            backend.unregister(_addr(other), n)
+            assert backend.registered_buffers() == 2
+            assert _write_file(backend, path, again, n) == b"\xaa" * n  # the first pin
+            backend.unregister(addr, n)
+            assert _write_file(backend, path, again, n) == b"\x55" * n
+    finally:
+        backend.close()
+
+
 def test_unregister_unknown_buffer(tmp_path: Path) -> None:
     backend = _uring()
     try:
@@ -497,13 +522,17 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 10) -> None:
         time.sleep(0.005)
 
 
-def _busy_rings(backend: UringBackend, k: int) -> tuple[list[threading.Thread], list[int]]:
-    """``k`` threads, each blocked in a read from its own pipe (write to the pipe to free it)."""
+def _busy_rings(
+    backend: UringBackend, k: int, into: int | None = None
+) -> tuple[list[threading.Thread], list[int]]:
+    """``k`` threads, each blocked in a read from its own pipe (write to the pipe to free it)
+    of one byte to ``into + i * ALIGN`` (default: a buffer of its own)."""
     pipes = [os.pipe() for _ in range(k)]
-    sink = mmap.mmap(-1, k * ALIGN)
+    sink = mmap.mmap(-1, k * ALIGN)  # the threads keep it alive
 
     def read(i: int) -> None:
-        backend.read(pipes[i][0], "pipe", [IOReq(_addr(sink) + i * ALIGN, 1, 0)])
+        base = _addr(sink) if into is None else into
+        backend.read(pipes[i][0], "pipe", [IOReq(base + i * ALIGN, 1, 0)])
         os.close(pipes[i][0])
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(k)]
@@ -571,6 +600,137 @@ def test_refused_registration_is_logged_once(
         assert len(warnings) == 1, warnings
         assert f"{ro:#x}" in warnings[0] and os.strerror(errno.EFAULT) in warnings[0]
         assert "plain reads and writes" in warnings[0]
+    finally:
+        backend.close()
+
+
+def _status(key: str) -> str | None:
+    """The first field of ``key`` in /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return line.split()[1]
+    return None
+
+
+def _pinned_kib() -> int:
+    """``VmPin``: where io_uring charges the pages of fixed buffers (``mm->pinned_vm``; VmLck
+    counts mlock() only)."""
+    kib = _status("VmPin")
+    assert kib is not None
+    return int(kib)
+
+
+def _settled_pinned_kib() -> int:
+    """``VmPin`` once rings closed earlier are gone: the kernel tears a closed ring down (and
+    unpins its buffers) in the background."""
+    last, end = _pinned_kib(), time.monotonic() + 10
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        now = _pinned_kib()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _skip_unless_pinning_measurable(nbytes: int) -> None:
+    if _status("VmPin") is None:
+        pytest.skip("no VmPin in /proc/self/status")
+    cap_eff = int(_status("CapEff") or "0", 16)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if not cap_eff >> 14 & 1 and soft != resource.RLIM_INFINITY and soft < nbytes:  # IPC_LOCK
+        pytest.skip(f"RLIMIT_MEMLOCK {soft} bytes is too small to register {nbytes} bytes")
+
+
+def _make_rings(backend: UringBackend, k: int) -> None:
+    """Leave ``k`` idle rings in the pool (``k`` calls in flight at once create them)."""
+    before = _uring_fds()
+    threads, writers = _busy_rings(backend, k)
+    _wait_for(lambda: _uring_fds() == before + k - 1)
+    _free(threads, writers)
+
+
+def test_buffers_pinned_once_however_many_rings() -> None:
+    """Every ring uses the fixed buffers, but their pages are pinned (and charged to VmPin /
+    RLIMIT_MEMLOCK) once: the rings share one registration. A buffer registered or dropped
+    while rings are busy keeps that bound, and after unregister nothing stays pinned."""
+    a_n, b_n, k = 64 * MiB, 16 * MiB, 4
+    _skip_unless_pinning_measurable(a_n + b_n)
+    backend = _uring(depth=4, max_io=MiB)
+    try:
+        with _anon(a_n) as a, _anon(b_n) as b:
+            _make_rings(backend, k)
+            base = _settled_pinned_kib()
+            backend.register(a, a_n)
+            if backend.shares_buffers is False:
+                pytest.skip("this kernel cannot clone fixed buffers (Linux < 6.12)")
+            assert backend.registered_buffers() == k  # each ring holds the buffer ...
+            grown = _pinned_kib() - base
+            assert a_n // 1024 <= grown < 1.5 * a_n // 1024  # ... pinned once, not k times
+
+            # k rings busy, each with a fixed-buffer read into `a` in flight
+            threads, writers = _busy_rings(backend, k, into=a)
+            _wait_for(lambda: backend.registered_buffers() == 0)
+            backend.register(b, b_n)  # `a` keeps its pin: only `b` is pinned now
+            both = _pinned_kib() - base
+            assert (a_n + b_n) // 1024 <= both < (a_n + b_n + a_n // 2) // 1024
+            backend.unregister(a, a_n)  # the busy rings still hold `a` ...
+            assert _pinned_kib() - base == both
+            _free(threads, writers)
+            assert ctypes.string_at(a, k * ALIGN)[::ALIGN] == b"x" * k
+            # ... until they come back and drop it
+            assert backend.registered_buffers() == k  # `b` alone
+            assert b_n // 1024 <= _pinned_kib() - base < 1.5 * b_n // 1024
+            backend.unregister(b, b_n)
+            assert backend.registered_buffers() == 0
+            assert _pinned_kib() == base
+    finally:
+        backend.close()
+
+
+class _NoClone:
+    """The shim as on a kernel without IORING_REGISTER_CLONE_BUFFERS (before Linux 6.12)."""
+
+    def __init__(self, lib: object) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    @staticmethod
+    def dsu_share_buffers(dst: int, src: int) -> int:
+        return -errno.EINVAL
+
+
+def test_without_clone_every_ring_pins(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Where the kernel refuses cloning, every ring registers the buffers itself (as before
+    Linux 6.12), which is said once at INFO; I/O and unregister work as usual."""
+    n, k = MiB, 3
+    _skip_unless_pinning_measurable((k + 1) * n)
+    backend = _uring(depth=4, max_io=MiB)
+    monkeypatch.setattr(backend, "_lib", _NoClone(backend._lib))
+    try:
+        with _anon(n) as a, caplog.at_level(logging.INFO, logger="dcp_datastates"):
+            ctypes.memset(a, 0x3C, n)
+            _make_rings(backend, k)
+            base = _settled_pinned_kib()
+            backend.register(a, n)
+            assert backend.shares_buffers is False
+            # the ring that was to be the home ring joined the pool with its registration
+            assert backend.registered_buffers() == k + 1
+            assert _pinned_kib() - base == (k + 1) * n // 1024
+            assert _write_file(backend, tmp_path / "a.bin", a, n) == b"\x3c" * n
+            backend.unregister(a, n)
+            backend.register(a, n)
+            backend.unregister(a, n)
+            assert backend.registered_buffers() == 0
+            assert _pinned_kib() == base
+        infos = [r.getMessage() for r in caplog.records if r.name == "dcp_datastates"]
+        assert len(infos) == 1, infos
+        assert "pinned once per ring" in infos[0] and os.strerror(errno.EINVAL) in infos[0]
     finally:
         backend.close()
 

@@ -18,10 +18,13 @@ __all__ = ["ABI_VERSION", "UringBackend", "UringUnavailable", "check_abi", "shim
 log = logging.getLogger("dcp_datastates")
 
 #: ``DSU_ABI_VERSION`` of native/dcp_uring.h that this module speaks.
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: Returned by ``dsu_rw`` when a read meets end of file (``DSU_EOF`` in native/dcp_uring.h).
 _DSU_EOF = -65536
 _DISABLED_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
+#: Failures of ``dsu_share_buffers`` worth another try later; any other means the kernel cannot
+#: clone fixed buffers between rings (before Linux 6.12: EINVAL).
+_TRANSIENT = frozenset({-errno.ENOMEM, -errno.EAGAIN, -errno.EINTR, -errno.EBADFD})
 
 _Buf = tuple[int, int]  # addr, nbytes
 
@@ -68,6 +71,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.dsu_create.argtypes, lib.dsu_create.restype = [ctypes.c_uint, ctypes.POINTER(vp)], c_int
     lib.dsu_destroy.argtypes, lib.dsu_destroy.restype = [vp], None
     lib.dsu_set_buffers.argtypes, lib.dsu_set_buffers.restype = [vp, vp, c_size], c_int
+    lib.dsu_share_buffers.argtypes, lib.dsu_share_buffers.restype = [vp, vp], c_int
     lib.dsu_registered.argtypes, lib.dsu_registered.restype = [vp], c_int
     lib.dsu_rw.argtypes = [vp, c_int, c_int, vp, c_size, c_size]
     lib.dsu_rw.restype = ctypes.c_int64
@@ -100,6 +104,12 @@ class UringBackend:
     I/O. Buffers passed to :meth:`register` become fixed buffers of every ring: idle rings at
     once, busy ones when their call returns. A buffer the kernel refuses (``RLIMIT_MEMLOCK``, an
     unsuitable mapping) is logged once and served with plain reads and writes.
+
+    The buffers are pinned (and charged to ``RLIMIT_MEMLOCK`` / ``VmPin``) once, however many
+    rings there are: a ring of their own that does no I/O (the home ring) registers them, and
+    the pool's rings get clones of its table (Linux 6.12+), which share the pinned pages. Where
+    the kernel cannot clone, that is logged once at INFO and every ring registers (pins) the
+    buffers itself, the home ring joining the pool.
     """
 
     name = "uring"
@@ -113,6 +123,8 @@ class UringBackend:
         self._bufs: list[_Buf] = []  # what the owner registered, in order
         self._plain: set[_Buf] = set()  # buffers the kernel refused to register
         self._gen = 0  # bumped whenever _bufs changes
+        self._home: _Ring | None = None  # pins the buffers; the pool's rings share its table
+        self._clone: bool | None = None  # whether the kernel clones tables (None: not tried yet)
         self._pid = os.getpid()
         self._closed = False
         try:
@@ -136,7 +148,7 @@ class UringBackend:
     def _forget_if_forked(self) -> None:
         """After fork() the rings are the parent's (shared kernel state): never touch them."""
         if self._pid != os.getpid():
-            self._idle, self._pid = [], os.getpid()
+            self._idle, self._home, self._pid = [], None, os.getpid()
 
     def _set(self, ring: _Ring, bufs: list[_Buf]) -> int:
         flat = array.array("Q", [v for buf in bufs for v in buf])
@@ -146,14 +158,59 @@ class UringBackend:
     def _usable(self, ring: _Ring) -> bool:
         return self._lib.dsu_registered(ring.handle) >= 0
 
+    def _want(self) -> list[_Buf]:
+        return [b for b in dict.fromkeys(self._bufs) if b not in self._plain]
+
     def _sync(self, ring: _Ring) -> bool:
         """Make ``ring``'s fixed buffers the current set; False if the ring is broken."""
         if ring.gen != self._gen:
-            want = [b for b in dict.fromkeys(self._bufs) if b not in self._plain]
-            if self._set(ring, want) < 0 and self._usable(ring):
-                self._set_one_by_one(ring, want)
-            ring.gen = self._gen
+            home = self._home_ring() if self._clone is not False and self._want() else None
+            if home is None:
+                self._register(ring)
+            else:
+                ret = self._lib.dsu_share_buffers(ring.handle, home.handle)
+                if ret == 0:
+                    self._clone, ring.gen = True, self._gen
+                elif self._usable(ring) and ret not in _TRANSIENT:
+                    self._stop_cloning(ret)
+                    self._register(ring)
+                # else: no fixed buffers for now; ring.gen stays stale, so it tries again
         return self._usable(ring)
+
+    def _register(self, ring: _Ring) -> None:
+        """Pin the current set in ``ring`` itself (pages already held keep their pin)."""
+        want = self._want()
+        if self._set(ring, want) < 0 and self._usable(ring):
+            self._set_one_by_one(ring, want)
+        ring.gen = self._gen
+
+    def _home_ring(self) -> _Ring | None:
+        """The home ring, holding the current set; None where it cannot be had now."""
+        home = self._home
+        if home is None:
+            try:
+                home = self._home = self._new_ring()
+            except OSError:
+                return None
+        if home.gen != self._gen:
+            self._register(home)
+        if not self._usable(home):
+            self._home = None
+            self._lib.dsu_destroy(home.handle)
+            return None
+        return home
+
+    def _stop_cloning(self, ret: int) -> None:
+        self._clone = False
+        log.info(
+            "dcp_datastates: this kernel cannot share io_uring fixed buffers between rings "
+            "(IORING_REGISTER_CLONE_BUFFERS: %s); fixed buffers are pinned once per ring "
+            "(up to one per concurrent I/O call) on this kernel",
+            os.strerror(-ret),
+        )
+        home, self._home = self._home, None
+        if home is not None:  # it holds the current set: a ring of the pool like any other
+            self._idle.append(home)
 
     def _set_one_by_one(self, ring: _Ring, want: list[_Buf]) -> None:
         """Find the buffers the kernel refuses: each is logged once and served by plain ops."""
@@ -173,8 +230,14 @@ class UringBackend:
                 )
             else:
                 ok.append(buf)
-        if ret < 0 and ok:  # a failed call leaves the ring without fixed buffers
+        if ret < 0:  # a failed call may leave a part of its set (or none) in the ring
             self._set(ring, ok)
+
+    def _sync_home(self) -> None:
+        """Bring the home ring up to date now, even while every pool ring is busy, so that a
+        refused buffer is reported by the call that registers it."""
+        if self._clone is not False and (self._home is not None or self._want()):
+            self._home_ring()
 
     def _sync_idle(self) -> None:
         for ring in list(self._idle):
@@ -215,6 +278,7 @@ class UringBackend:
             self._forget_if_forked()
             self._bufs.append((addr, nbytes))
             self._gen += 1
+            self._sync_home()
             self._sync_idle()
 
     def unregister(self, addr: int, nbytes: int) -> None:
@@ -233,10 +297,18 @@ class UringBackend:
             if (addr, nbytes) not in self._bufs:
                 self._plain.discard((addr, nbytes))
             self._gen += 1
+            self._sync_home()
             self._sync_idle()
 
+    @property
+    def shares_buffers(self) -> bool | None:
+        """Whether the rings share one pinned copy of the fixed buffers (kernel buffer cloning);
+        None until a ring needed them."""
+        return self._clone
+
     def registered_buffers(self) -> int:
-        """Fixed-buffer iovecs (one per started GiB of a buffer) the idle rings hold, summed."""
+        """Fixed-buffer iovecs (one per started GiB of a buffer) the idle rings hold, summed
+        (a table shared with the home ring counts in each ring; the home ring is not counted)."""
         with self._lock:
             self._forget_if_forked()
             return sum(max(0, self._lib.dsu_registered(r.handle)) for r in self._idle)
@@ -290,6 +362,9 @@ class UringBackend:
         with self._lock:
             self._closed = True
             rings, self._idle = self._idle, []
+            if self._home is not None:
+                rings.append(self._home)
+                self._home = None
             self._bufs, self._plain = [], set()
             mine = self._pid == os.getpid()
         if mine:
