@@ -122,3 +122,12 @@ def read_metadata(directory: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
     return metadata
+
+
+def metadata_stamp(directory: Path) -> tuple[int, int, int] | None:
+    """Identity of ``directory/.metadata`` (inode, mtime, size): a commit replaces the file."""
+    try:
+        st = os.stat(directory / METADATA_NAME)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .engine import Engine, default_engine
 from .jobs.load import LoadJob, check_locations
-from .metadata_file import METADATA_NAME, read_metadata
+from .metadata_file import METADATA_NAME, metadata_stamp, read_metadata
 from .stats import LoadStats
 
 
@@ -42,6 +42,7 @@ class DataStatesReader(StorageReader):
         self.metadata: Metadata | None = None
         self._metadata: Metadata | None = None  # read by reset(), handed out once
         self._stats: LoadStats | None = None
+        self._stamp: tuple | None = None  # the .metadata read
 
     @property
     def engine(self) -> Engine:
@@ -78,7 +79,7 @@ class DataStatesReader(StorageReader):
         if self.metadata is None:
             raise RuntimeError("DataStatesReader: read_data came before set_up_storage_reader")
         job = LoadJob(self.engine, self._checkpoint_dir(), self.metadata, self.verify_checksums,
-                      self.direct_io)
+                      self.direct_io, self._stamp)
         self._stats = job.read(plan, planner)
         self._stats.log()
         future: torch.futures.Future[None] = torch.futures.Future()
@@ -99,6 +100,7 @@ class DataStatesReader(StorageReader):
 
     def _read_checked(self) -> Metadata:
         directory = self._checkpoint_dir()
+        self._stamp = metadata_stamp(directory)
         metadata = read_metadata(directory)
         check_locations(directory, metadata)
         if metadata.storage_meta is None:

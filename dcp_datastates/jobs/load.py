@@ -29,7 +29,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..file_format import read_header
 from ..host_cache import Lease, round_up
 from ..io.base import ALIGN, IOBackend, IOReq
-from ..metadata_file import METADATA_NAME, ItemLocation
+from ..metadata_file import ItemLocation, metadata_stamp
 from ..stats import LoadStats
 
 #: Items (whole stored chunks) smaller than this are read together with their neighbours.
@@ -52,19 +52,20 @@ class LoadJob:
     """Reads one plan of one load. Made per ``read_data`` by the reader."""
 
     def __init__(self, engine: object, directory: Path, metadata: Metadata,
-                 verify_checksums: bool, direct_io: bool) -> None:
+                 verify_checksums: bool, direct_io: bool, stamp: tuple | None = None) -> None:
         self.engine = engine
         self.directory = directory
         self.metadata = metadata
         self.verify_checksums = verify_checksums
         self.direct_io = direct_io
+        self.stamp = stamp  # the .metadata read (metadata_stamp), to tell a replaced one
         self.stats = LoadStats(engine.io.name, verified=verify_checksums)
 
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> LoadStats:
         """Read every item of ``plan`` and hand it to ``planner``; return the figures."""
         start = time.perf_counter()
         backend = self.engine.io
-        files = _OpenFiles(self.directory, self.direct_io)
+        files = _OpenFiles(self.directory, self.direct_io, self.stamp)
         jobs: list[tuple[ReadItem, torch.Tensor | None, Future]] = []
         spans: list[Future] = []
         small: dict[str, list[_Small]] = defaultdict(list)
@@ -317,9 +318,10 @@ class _File:
 class _OpenFiles:
     """Data files opened once per read, with their sizes checked against each item."""
 
-    def __init__(self, directory: Path, direct: bool) -> None:
+    def __init__(self, directory: Path, direct: bool, stamp: tuple | None) -> None:
         self.directory = directory
         self.direct = direct
+        self.stamp = stamp
         self._files: dict[str, _File] = {}
 
     def open(self, loc: ItemLocation, req: ReadItem) -> _File:
@@ -329,7 +331,7 @@ class _OpenFiles:
                 # O_NONBLOCK: a FIFO planted under a data file's name must not hang the open
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
             except FileNotFoundError:
-                if self._superseded(loc.file):
+                if self._superseded():
                     raise CheckpointError(
                         f"checkpoint {self.directory} was replaced by a newer save while this "
                         f"load read it (its data file {loc.file} is gone); load it again"
@@ -388,12 +390,9 @@ class _OpenFiles:
             os.close(fd)
             raise CheckpointCorruptError(f"{what}: offset {loc.offset} lies inside the header")
 
-    def _superseded(self, name: str) -> bool:
-        """Whether the directory's ``.metadata`` no longer names data file ``name``."""
-        try:
-            return name.encode() not in (self.directory / METADATA_NAME).read_bytes()
-        except OSError:
-            return False
+    def _superseded(self) -> bool:
+        """Whether a commit replaced the ``.metadata`` this load read."""
+        return self.stamp is not None and metadata_stamp(self.directory) != self.stamp
 
     def get(self, name: str) -> _File:
         return self._files[name]
