@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -442,9 +443,12 @@ def test_async_process_checkpointer_single_rank_gloo(tmp_path: Path) -> None:
     """AsyncCheckpointerType.PROCESS: the writer is pickled into DCP's checkpoint process."""
     script = tmp_path / "process_save.py"
     script.write_text(_PROCESS_SCRIPT)
+    root = str(Path(__file__).resolve().parents[1])  # the package, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path)],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0 and "PROCESS-MODE-OK" in proc.stdout, (
         proc.stdout[-3000:] + proc.stderr[-6000:]
