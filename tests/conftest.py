@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
@@ -115,6 +116,34 @@ def make_writer(make_engine) -> Callable[..., DataStatesWriter]:
         return DataStatesWriter(path, **kw)
 
     return make
+
+
+@pytest.fixture
+def faulty_engine() -> Iterator[Callable[..., tuple[Engine, FaultyBackend]]]:
+    """``make(backend="threads", host_cache_size=..., **faults)``: an engine whose I/O goes
+    through a :class:`FaultyBackend` over a real backend (``gated=True`` holds every data write
+    until ``backend.gate`` is set); closed at teardown, asserting that no lease or buffer
+    registration was left behind."""
+    made: list[tuple[Engine, FaultyBackend]] = []
+
+    def make(backend: str = "threads", *, host_cache_size: int | str = "8MiB",
+             io_workers: int = 4, **faults: object) -> tuple[Engine, FaultyBackend]:
+        faulty = FaultyBackend(make_backend(backend)[0], **faults)
+        made.append((Engine(io_backend=faulty, host_cache_size=host_cache_size,
+                            io_workers=io_workers), faulty))
+        return made[-1]
+
+    yield make
+    problems = []
+    for engine, faulty in made:
+        faulty.gate.set()
+        if engine.live_leases():
+            problems.append(f"{engine.live_leases()} lease(s) live at the end")
+        engine.close()
+        faulty.close()
+        if faulty.live_buffers():
+            problems.append(f"buffers still registered: {faulty.live_buffers()}")
+    assert not problems, problems
 
 
 # -- state builders ------------------------------------------------------------------------------

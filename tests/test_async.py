@@ -8,7 +8,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,45 +22,16 @@ from conftest import (
     rand_tensor,
     save,
 )
-from fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_datastates import DataStatesWriter, Engine
 from dcp_datastates.file_format import LARGE_ITEM_BYTES
-from dcp_datastates.io import make_backend
 
 MiB = 1 << 20
 TIMEOUT = 60
 
 pytestmark = MARKS
-
-
-@pytest.fixture
-def faulty_engine() -> Iterator[Callable[..., tuple[Engine, FaultyBackend]]]:
-    """``make(backend="threads", host_cache_size=..., **faults)``: an engine whose I/O goes
-    through a :class:`FaultyBackend` over a real backend (``gated=True`` holds every data write
-    until ``backend.gate`` is set). Closed at teardown, asserting that nothing was left held."""
-    made: list[tuple[Engine, FaultyBackend]] = []
-
-    def make(backend: str = "threads", *, host_cache_size: int | str = "8MiB",
-             io_workers: int = 4, **faults: object) -> tuple[Engine, FaultyBackend]:
-        faulty = FaultyBackend(make_backend(backend)[0], **faults)
-        made.append((Engine(io_backend=faulty, host_cache_size=host_cache_size,
-                            io_workers=io_workers), faulty))
-        return made[-1]
-
-    yield make
-    problems = []
-    for engine, faulty in made:
-        faulty.gate.set()
-        if engine.live_leases():
-            problems.append(f"{engine.live_leases()} lease(s) live at the end")
-        engine.close()
-        faulty.close()
-        if faulty.live_buffers():
-            problems.append(f"buffers still registered: {faulty.live_buffers()}")
-    assert not problems, problems
 
 
 def _source_state(seed: int = 0) -> dict:

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,33 +41,6 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 pytestmark = MARKS
-
-
-@pytest.fixture
-def faulty_engine() -> Iterator[Callable[..., tuple[Engine, FaultyBackend]]]:
-    """``make(backend="threads", host_cache_size=..., **faults)``: an engine whose I/O goes
-    through a :class:`FaultyBackend` over a real backend; closed at teardown, asserting that
-    no lease or buffer registration was left behind."""
-    made: list[tuple[Engine, FaultyBackend]] = []
-
-    def make(backend: str = "threads", *, host_cache_size: int | str = "8MiB",
-             io_workers: int = 4, **faults: object) -> tuple[Engine, FaultyBackend]:
-        faulty = FaultyBackend(make_backend(backend)[0], **faults)
-        made.append((Engine(io_backend=faulty, host_cache_size=host_cache_size,
-                            io_workers=io_workers), faulty))
-        return made[-1]
-
-    yield make
-    problems = []
-    for engine, faulty in made:
-        faulty.gate.set()
-        if engine.live_leases():
-            problems.append(f"{engine.live_leases()} lease(s) live at the end")
-        engine.close()
-        faulty.close()
-        if faulty.live_buffers():
-            problems.append(f"buffers still registered: {faulty.live_buffers()}")
-    assert not problems, problems
 
 
 @pytest.fixture

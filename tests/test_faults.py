@@ -12,7 +12,6 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,11 +27,9 @@ from conftest import (
     rand_tensor,
     save,
 )
-from fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates import DataStatesWriter, Engine
-from dcp_datastates.io import make_backend
+from dcp_datastates import DataStatesWriter
 
 MiB = 1 << 20
 TESTS = Path(__file__).resolve().parent
@@ -52,33 +49,6 @@ def _state(seed: int, nbytes: int = 2 * MiB) -> dict:
 def _pools_empty(writer) -> None:
     leases = writer.engine.live_leases()
     assert leases == 0, f"{leases} lease(s) of host cache still held after the save ended"
-
-
-@pytest.fixture
-def faulty_engine() -> Iterator[Callable[..., tuple[Engine, FaultyBackend]]]:
-    """``make(backend="threads", host_cache_size=..., **faults)``: an engine whose I/O goes
-    through a :class:`FaultyBackend` over a real backend; closed at teardown, asserting that
-    no lease or buffer registration was left behind."""
-    made: list[tuple[Engine, FaultyBackend]] = []
-
-    def make(backend: str = "threads", *, host_cache_size: int | str = "8MiB",
-             io_workers: int = 4, **faults: object) -> tuple[Engine, FaultyBackend]:
-        faulty = FaultyBackend(make_backend(backend)[0], **faults)
-        made.append((Engine(io_backend=faulty, host_cache_size=host_cache_size,
-                            io_workers=io_workers), faulty))
-        return made[-1]
-
-    yield make
-    problems = []
-    for engine, faulty in made:
-        faulty.gate.set()
-        if engine.live_leases():
-            problems.append(f"{engine.live_leases()} lease(s) live at the end")
-        engine.close()
-        faulty.close()
-        if faulty.live_buffers():
-            problems.append(f"buffers still registered: {faulty.live_buffers()}")
-    assert not problems, problems
 
 
 # -- SIGKILL in the middle of a save -------------------------------------------------------------
