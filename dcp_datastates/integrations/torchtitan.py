@@ -50,7 +50,6 @@ waits for the snapshot inside ``save()``.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
@@ -177,8 +176,10 @@ def _datastates_save(manager: Any, stock_save: Callable[..., Any], state_dict: d
         # torchtitan expects a Future for "async" and an AsyncSaveResponse for the pinned mode
         # (whose staging future its maybe_wait_for_staging() then waits on)
         result = response.upload_completion if mode == "async" else response
-    if enable_garbage_collection:
-        gc.collect(1)
+    if enable_garbage_collection:  # torchtitan's own option: do what its checkpointer does
+        from torchtitan.tools.utils import GarbageCollection
+
+        GarbageCollection.collect("GC collection invoked by checkpointer.")
     return result
 
 

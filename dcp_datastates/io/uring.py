@@ -8,7 +8,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .base import IOReq
@@ -114,9 +114,13 @@ class UringBackend:
 
     name = "uring"
 
-    def __init__(self, depth: int = 64, max_io: int = 4 << 20, shim: str | Path | None = None):
+    def __init__(self, depth: int = 64, max_io: int = 4 << 20, shim: str | Path | None = None,
+                 wrap_shim: Callable[[ctypes.CDLL], object] | None = None):
+        """``wrap_shim`` wraps the loaded shim (tests inject kernel behaviours through it)."""
         _check_sysctl()
         self._lib = _load(Path(shim) if shim is not None else shim_path())
+        if wrap_shim is not None:
+            self._lib = wrap_shim(self._lib)
         self.depth, self.max_io = depth, max_io
         self._lock = threading.Lock()  # guards everything below and every ring in _idle
         self._idle: list[_Ring] = []
