@@ -195,15 +195,16 @@ class SaveJob:
                         self.engine.submit)
         sums = _Sums([])
         try:
-            file.preallocate(max(offsets, default=draft.data_start) + max(
-                (nbytes_of(t) for t in tensors), default=0))
+            file.preallocate(max((o + nbytes_of(t) for o, t in zip(offsets, tensors, strict=True)),
+                                 default=draft.data_start))
             file.write([Piece(o, t.data_ptr(), nbytes_of(t), self._lease_of(t))
                         for o, t in zip(offsets, tensors, strict=True)])
             sums += _checksums(self.engine, [(t.data_ptr(), nbytes_of(t)) for t in tensors])
             raws = [f.result() for f in serialized]
-            final = plan_layout(specs + [ItemSpec(entry_name(i.index), None, (len(r),), len(r))
-                                         for i, r in zip(raw_items, raws, strict=True)],
-                                header_len=draft.data_start)
+            final = draft if not raw_items else plan_layout(
+                specs + [ItemSpec(entry_name(i.index), None, (len(r),), len(r))
+                         for i, r in zip(raw_items, raws, strict=True)],
+                header_len=draft.data_start)
             raw_at = {p.spec.name: final.data_start + p.begin
                       for p in final.placements if p.spec and p.spec.dtype is None}
             raw_offsets = [raw_at[entry_name(i.index)] for i in raw_items]
