@@ -1,21 +1,19 @@
 """FSDP2 on every GPU of one host: aggregate checkpoint throughput, ours vs DCP's FileSystemWriter.
 
-Launch one process per GPU::
-
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_multi_gpu.py --layers 24
-
 Each rank holds its FSDP2 shard of a stack of bf16 linear layers plus AdamW state (after one
 optimizer step). Per repetition: ``dcp.save`` with FileSystemWriter, and ``dcp.async_save`` with
 DataStatesWriter (one writer per rank, reused; a gloo group for the checkpoint collectives).
 Each checkpoint is loaded back into a fresh FSDP2 model and optimizer, cold (page cache
 dropped), and every local shard is compared bit for bit. Aggregate GiB/s = total state bytes /
-the slowest rank's time. Rank 0 prints the table and writes JSON next to ``--out``.
+the slowest rank's time. Rank 0 prints the tables and writes the JSON. Launch one process per
+GPU:
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_multi_gpu.py --layers 24
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_multi_gpu.py --cpu-smoke
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import time
@@ -24,14 +22,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import GiB, drop_cache, log, machine, median
+from harness.baselines import futures
+from harness.ceilings import GiB, drop_cache
+from harness.plots import bars, figure, save
+from harness.run import Run, log, parser
+from harness.states import differs, state_bytes, tensors
+from harness.tables import Table, ratio_table
+from harness.timing import median, sync
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
+from dcp_datastates.sizes import format_size
+
+SIDES = {"dcp": "dcp.save FileSystemWriter", "ours": "async_save DataStatesWriter"}
+METRICS = {"block_s": "block", "snapshot_s": "snapshot", "durable_s": "durable",
+           "load_cold_s": "cold load"}
 
 
 def build(layers: int, dim: int, device: torch.device, seed: int) -> tuple[nn.Module, object]:
@@ -52,16 +60,6 @@ def train_step(model: nn.Module, opt: object, dim: int, device: torch.device) ->
     opt.zero_grad()
 
 
-def local_tensors(obj: object) -> list[torch.Tensor]:
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in local_tensors(v)]
-    if isinstance(obj, list):
-        return [t for v in obj for t in local_tensors(v)]
-    if isinstance(obj, DTensor):
-        return [obj.to_local()]
-    return [obj] if isinstance(obj, torch.Tensor) else []
-
-
 def state_of(model: nn.Module, opt: object) -> dict:
     model_sd, optim_sd = get_state_dict(model, opt)
     return {"model": model_sd, "optim": optim_sd}
@@ -70,47 +68,80 @@ def state_of(model: nn.Module, opt: object) -> dict:
 def timed_all(fn) -> float:
     """Seconds until every rank has finished ``fn`` (the slowest rank's time)."""
     dist.barrier()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     dist.barrier()
     return time.perf_counter() - t0
 
 
+def tables(res: dict) -> list[Table]:
+    gib = res["total_bytes"] / GiB
+    m = {side: {k: median(v) for k, v in res["results"][side].items()} for side in SIDES}
+    t = Table(f"{res['world']} ranks, FSDP2, {format_size(res['total_bytes'])} state "
+              f"({res['layers']} layers of {res['dim']}x{res['dim']} bf16 + AdamW), "
+              f"{res['reps']} reps, medians",
+              [("variant", ""), ("block s", ".3f"), ("snapshot s", ".3f"), ("durable s", ".2f"),
+               ("agg GiB/s", ".2f"), ("cold load s", ".2f"), ("agg GiB/s", ".2f")])
+    for side, label in SIDES.items():
+        r = m[side]
+        t.add(label, r["block_s"], r.get("snapshot_s"), r["durable_s"], gib / r["durable_s"],
+              r["load_cold_s"], gib / r["load_cold_s"])
+    return [t, ratio_table("ratios of times (> 1: ours is faster)",
+                           {f"{SIDES['dcp']} / ours": (m["dcp"], m["ours"])}, METRICS)]
+
+
+def plot(res: dict, png: Path) -> None:
+    fig, (ax,) = figure(size=(8, 4.4))
+    bars(ax, list(METRICS.values()), {label: [median(res["results"][side].get(k, []))
+                                              for k in METRICS] for side, label in SIDES.items()},
+         spec=".3g", log=True, ylabel="seconds (median, slowest rank; log scale)")
+    save(fig, png, f"FSDP2, {res['world']} ranks, {format_size(res['total_bytes'])}; "
+                   f"{res['machine'].get('gpu', 'CPU')}")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = parser(__doc__, smoke="gloo on CPU, 2 layers of 256")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--dim", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench_multi_gpu"))
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = ap.parse_args()
+    if args.cpu_smoke:
+        args.layers, args.dim = 2, 256
 
-    dist.init_process_group("cpu:gloo,cuda:nccl")
+    dist.init_process_group("gloo" if args.cpu_smoke else "cpu:gloo,cuda:nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
     ckpt_group = dist.new_group(backend="gloo")
 
     model, opt = build(args.layers, args.dim, device, seed=0)
     train_step(model, opt, args.dim, device)
     state = state_of(model, opt)
-    saved = [t.detach().clone() for t in local_tensors(state)]
-    local_bytes = sum(t.numel() * t.element_size() for t in saved)
-    sizes = [torch.tensor(local_bytes, dtype=torch.int64) for _ in range(world)]
+    saved = [t.detach().clone() for t in tensors(state)]
+    local_bytes = state_bytes(saved)
+    sizes = [torch.tensor(0, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor(local_bytes, dtype=torch.int64), group=ckpt_group)
     total = sum(int(s) for s in sizes)
+    run = Run("bench_multi_gpu", args, [args.dir],
+              launcher="torchrun --standalone --nproc-per-node "
+                       f"{os.environ.get('LOCAL_WORLD_SIZE', world)}")
     if rank == 0:
-        log(f"{world} ranks, {total / GiB:.2f} GiB of FSDP2 model + AdamW state "
-            f"({local_bytes / GiB:.2f} GiB per rank)")
+        run.header()
+        log(f"{world} ranks, {format_size(total)} of FSDP2 model + AdamW state "
+            f"({format_size(local_bytes)} per rank)")
 
     engine = Engine(host_cache_size=local_bytes + (512 << 20))
     engine.reserve(local_bytes).release()  # map and pin the cache before timing anything
     writer = DataStatesWriter(engine=engine, overwrite=True)
     handle = guard(opt, writer)
     reader = DataStatesReader(engine=engine)
-    results: dict[str, dict[str, list[float]]] = {"dcp": {}, "ours": {}}
+    results: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
 
     def record(side: str, key: str, value: float) -> None:
         results[side].setdefault(key, []).append(value)
@@ -135,10 +166,11 @@ def main() -> None:
                                                  process_group=ckpt_group)
 
                 record(side, "block_s", timed_all(start))
+                staging, upload = futures(box["resp"])
                 t0 = time.perf_counter()
-                box["resp"].staging_completion.result()
+                staging.result()
                 record(side, "snapshot_s", time.perf_counter() - t0)
-                box["resp"].upload_completion.result()
+                upload.result()
                 dist.barrier()
                 record(side, "durable_s", time.perf_counter() - t0 + results[side]["block_s"][-1])
             if rank == 0:
@@ -151,15 +183,11 @@ def main() -> None:
                 t, checkpoint_id=p, storage_reader=rd, process_group=ckpt_group)))
             set_state_dict(model2, opt2, model_state_dict=target["model"],
                            optim_state_dict=target["optim"])
-            got = local_tensors(state_of(model2, opt2))
-            same = len(got) == len(saved) and all(
-                torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-                for a, b in zip(got, saved, strict=True))
-            flag = torch.tensor(int(same))
+            flag = torch.tensor(int(not differs(saved, tensors(state_of(model2, opt2)))))
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ckpt_group)
             if not flag.item():
                 raise SystemExit(f"{side} rep {rep}: loaded state differs from the saved state")
-            del model2, opt2, target, got
+            del model2, opt2, target
             if rank == 0:
                 log(f"rep {rep} {side}: " + ", ".join(
                     f"{k} {v[-1]:.3f}" for k, v in results[side].items()) + "  (bit-exact)")
@@ -168,28 +196,9 @@ def main() -> None:
     handle.remove()
     engine.close()
     if rank == 0:
-        rows = []
-        for side, label in (("dcp", "dcp.save FileSystemWriter"),
-                            ("ours", "async_save DataStatesWriter")):
-            m = {k: median(v) for k, v in results[side].items()}
-            rows.append((label, m))
-        log(f"\n=== bench_multi_gpu: {world} GPUs, FSDP2, {total / GiB:.2f} GiB state, "
-            f"{args.reps} reps (medians) ===")
-        log(f"machine: {machine(torch)}")
-        log(f"{'variant':30s} {'block s':>8s} {'snap s':>7s} {'durable s':>9s} "
-            f"{'agg GiB/s':>9s} {'cold load s':>11s} {'agg GiB/s':>9s}")
-        for label, m in rows:
-            snap = m.get("snapshot_s")
-            log(f"{label:30s} {m['block_s']:8.3f} {'-' if snap is None else f'{snap:7.3f}':>7s} "
-                f"{m['durable_s']:9.2f} {total / GiB / m['durable_s']:9.2f} "
-                f"{m['load_cold_s']:11.2f} {total / GiB / m['load_cold_s']:9.2f}")
-        d, o = rows[0][1], rows[1][1]
-        log(f"speedup ours vs DCP: durable {d['durable_s'] / o['durable_s']:.2f}x, "
-            f"cold load {d['load_cold_s'] / o['load_cold_s']:.2f}x, "
-            f"training blocked {d['block_s'] / o['block_s']:.0f}x less")
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_multi_gpu.json").write_text(
-            json.dumps({"world": world, "total_bytes": total, "results": results}, indent=1))
+        run.res.update(world=world, layers=args.layers, dim=args.dim, reps=args.reps,
+                       total_bytes=total, results=results)
+        run.finish(tables, plot)
     dist.destroy_process_group()
 
 

@@ -1,12 +1,13 @@
 """Training-loop overhead of checkpointing: a ~1B-parameter GPT with AdamW in bf16 on one GPU.
 
-Modes, in one process on the same model: ``none`` (no checkpoints; run first and again last),
-``dcp_pinned`` (``dcp.async_save`` + FileSystemWriter + DCP's DefaultStager with pinned memory,
-waiting for ``staging_completion`` right before the next ``optimizer.step()``) and ``ours``
-(``dcp.async_save`` + DataStatesWriter with ``dcp_datastates.guard`` on the optimizer). A
-checkpoint of model + optimizer state starts every ``--every`` steps; before starting one, the
-previous checkpoint of the same mode must be durable. Every step is timed between
-``torch.cuda.synchronize()`` calls. Goal: ours <= 2% slower than no checkpoint (median step).
+Modes (the table ``MODES``), in one process on the same model: ``none`` (no checkpoints; run
+first and again last), ``dcp_pinned`` (``dcp.async_save`` + FileSystemWriter + DCP's
+DefaultStager with pinned memory, waiting for ``staging_completion`` right before the next
+``optimizer.step()``) and ``ours`` (``dcp.async_save`` + DataStatesWriter with
+``dcp_datastates.guard`` on the optimizer). A checkpoint of model + optimizer state starts every
+``--every`` steps; before starting one, the previous checkpoint of the same mode must be
+durable. Every step is timed between ``torch.cuda.synchronize()`` calls. Goal: ours <= 2%
+slower than no checkpoint (median step).
 
     python benchmarks/bench_training.py                 # ~1.07B params, 40 steps per mode
     python benchmarks/bench_training.py --cpu-smoke     # tiny model on CPU: checks the code paths
@@ -15,30 +16,34 @@ previous checkpoint of the same mode must be durable. Every step is timed betwee
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from common import DoneAt, fmt, free_bytes, guarded, log, machine, median
+from harness.baselines import async_save_pinned, futures
+from harness.ceilings import disk_ceiling, drop_cache
+from harness.machine import free_bytes, require
+from harness.plots import bars, figure, save
+from harness.run import Run, log, parser
+from harness.states import state_bytes
+from harness.tables import Table, ratio_table
+from harness.timing import DoneAt, median, sync
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dcp_datastates import DataStatesWriter, Engine, guard
+from dcp_datastates import CheckpointManager, DataStatesReader, DataStatesWriter, Engine, guard
 from dcp_datastates.sizes import format_size
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-MODES = ("none", "dcp_pinned", "ours")
-LABELS = {"none": "no checkpoint", "dcp_pinned": "DCP async_save + pinned DefaultStager",
-          "ours": "DataStatesWriter + guard"}
 
 
 # -- model ---------------------------------------------------------------------------------------
@@ -80,11 +85,6 @@ class GPT(nn.Module):
         return F.linear(self.ln_f(x), self.embed.weight)
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 # -- training loop -------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, args: argparse.Namespace, device: str) -> None:
@@ -113,114 +113,52 @@ class Trainer:
         return {"model": model_sd, "optim": optim_sd, "step": step}
 
 
-def state_bytes(state: object) -> int:
-    if isinstance(state, dict):
-        return sum(state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(v) for v in state)
-    return state.nbytes if isinstance(state, torch.Tensor) else 0
+# -- modes ---------------------------------------------------------------------------------------
+Save = Callable[[dict, Path], object]  # (state, path) -> what dcp.async_save returned
 
 
-def run_mode(mode: str, tr: Trainer, path: Path, setup: dict, rec: dict, saver=None) -> None:
-    """Warm up, then time ``--steps`` steps; ``saver(state, path)`` starts one checkpoint."""
-    a = tr.args
-    for _ in range(a.warmup):
-        tr.step()
-    sync()
-    rec.update(step_s=[], ckpt_steps=[], block_s=[], state_dict_s=[], upload_wait_s=[],
-               staging_wait_s=[], durable_s=[])
-    pending = None  # (response, call time, completion stamp)
-    staging = None  # DCP: staging_completion to wait for before the next optimizer.step()
+@dataclass(frozen=True)
+class Mode:
+    """One way to checkpoint during training.
 
-    def wait_staging() -> None:
-        nonlocal staging
-        if staging is not None:
-            t = time.perf_counter()
-            staging.result()
-            rec["staging_wait_s"].append(time.perf_counter() - t)
-            staging = None
-
-    def finish(p: tuple) -> None:
-        resp, t_call, stamp = p
-        getattr(resp, "upload_completion", resp).result()
-        rec["durable_s"].append(stamp.wait() - t_call)
-
-    ok = False
-    try:
-        for s in range(1, a.steps + 1):
-            sync()
-            t0 = time.perf_counter()
-            tr.step(wait_staging if mode == "dcp_pinned" else None)
-            if mode != "none" and s % a.every == 0:
-                if pending is not None:
-                    t = time.perf_counter()
-                    finish(pending)
-                    rec["upload_wait_s"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                state = tr.state(s)
-                t_call = time.perf_counter()
-                rec["state_dict_s"].append(t_call - t)
-                resp = saver(state, path)
-                rec["block_s"].append(time.perf_counter() - t_call)
-                rec.setdefault("ckpt_bytes", state_bytes(state))
-                if mode == "dcp_pinned":
-                    staging = getattr(resp, "staging_completion", None)
-                pending = (resp, t_call, DoneAt(getattr(resp, "upload_completion", resp)))
-                rec["ckpt_steps"].append(s)
-            sync()
-            rec["step_s"].append(time.perf_counter() - t0)
-        wait_staging()
-        ok = True
-    finally:
-        try:
-            if pending is not None:
-                finish(pending)  # the last checkpoint: durable time only, no step waits on it
-        except Exception:
-            if ok:
-                raise
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def mode_dcp(mode: str, tr: Trainer, path: Path, setup: dict, rec: dict) -> None:
-    """DCP's async_save with a pinned, async DefaultStager.
-
-    A fresh stager per checkpoint: reusing one raises KeyError(<class 'type'>) in torch 2.11's
-    StateDictStager deep copy (seen on the H100 machine), so each checkpoint pins anew.
+    ``saver(trainer, setup, rec)`` is a context manager: it builds what the mode needs (off the
+    clock; one-time seconds go in ``setup``), yields a ``Save`` that starts one checkpoint, and
+    adds its own figures to ``rec`` when the mode is done. None: no checkpoints.
     """
-    gpu = tr.device == "cuda"
 
-    def saver(state: dict, path: Path) -> object:
-        stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                              use_async_staging=True, use_non_blocking_copy=gpu))
-        resp = dcp.async_save(state, checkpoint_id=path, storage_writer=FileSystemWriter(path),
-                              async_stager=stager, no_dist=True)
-        resp.upload_completion.add_done_callback(lambda _: stager.close())
-        return resp
-
-    run_mode(mode, tr, path, setup, rec, saver)
+    label: str
+    saver: Callable[[Trainer, dict, dict], AbstractContextManager[Save]] | None = None
+    snapshot_before_step: bool = False  # wait for the snapshot right before optimizer.step()
+    every: int | None = None  # checkpoint interval of its own (None: --every)
+    wait_previous: bool = True  # the previous checkpoint must be done before the next starts
 
 
-def mode_ours(mode: str, tr: Trainer, path: Path, setup: dict, rec: dict) -> None:
-    """DataStatesWriter (made once, outside the timing) with the optimizer guard."""
+@contextmanager
+def dcp_pinned(tr: Trainer, setup: dict, rec: dict) -> Iterator[Save]:
+    yield lambda state, path: async_save_pinned(state, path, tr.device == "cuda")
+
+
+@contextmanager
+def ours(tr: Trainer, setup: dict, rec: dict) -> Iterator[Save]:
+    """DataStatesWriter (made once, outside the timing) with the optimizer guard, whose waits
+    are timed by one hook before it and one after."""
     t0 = time.perf_counter()
-    engine = Engine(host_cache_size=state_bytes(tr.state(0)) + (512 << 20))
+    nbytes = state_bytes(tr.state(0))
+    engine = Engine(host_cache_size=nbytes + (512 << 20))
     writer = DataStatesWriter(engine=engine, overwrite=True)
     handles = []
     try:
-        engine.reserve(state_bytes(tr.state(0))).release()  # map and pin the cache once
+        engine.reserve(nbytes).release()  # map and pin the cache once
         setup["ours_writer_s"] = time.perf_counter() - t0
         mark = [0.0]
-        waits = []  # the guard's waits, timed by one hook before it and one after
+        waits = []
         handles.append(tr.opt.register_step_pre_hook(
             lambda *_: mark.__setitem__(0, time.perf_counter())))
         handles.append(guard(tr.opt, writer))
         handles.append(tr.opt.register_step_pre_hook(
             lambda *_: waits.append(time.perf_counter() - mark[0])))
-
-        def saver(state: dict, path: Path) -> object:
-            return dcp.async_save(state, checkpoint_id=path, storage_writer=writer, no_dist=True)
-
-        run_mode(mode, tr, path, setup, rec, saver)
+        yield lambda state, path: dcp.async_save(state, checkpoint_id=path,
+                                                 storage_writer=writer, no_dist=True)
         rec["staging_wait_s"] = waits[-len(rec["step_s"]):] if rec["step_s"] else []
         st = writer.last_stats()
         if st is not None:
@@ -233,6 +171,157 @@ def mode_ours(mode: str, tr: Trainer, path: Path, setup: dict, rec: dict) -> Non
         engine.close()
 
 
+class _Response:
+    """A managed save as the loop sees a DCP response: its snapshot and its memory commit."""
+
+    def __init__(self, handle: object) -> None:
+        self.staging_completion, self.upload_completion = handle.staged, handle.committed
+
+
+@contextmanager
+def tiers(tr: Trainer, setup: dict, rec: dict) -> Iterator[Save]:
+    """CheckpointManager: every checkpoint committed into /dev/shm, persisted to the
+    checkpoint directory whenever the previous persist is over; then the restart figures."""
+    t0 = time.perf_counter()
+    nbytes = state_bytes(tr.state(0))
+    engine = Engine(host_cache_size=2 * nbytes + (512 << 20))  # two snapshots may overlap
+    engine.reserve(nbytes).release()  # map and pin the cache once
+    setup["tiers_engine_s"] = time.perf_counter() - t0
+    memory = Path("/dev/shm/bench_training_tiers")
+    box: dict = {}
+    hooks = []
+
+    def save(state: dict, path: Path) -> _Response:
+        if "manager" not in box:
+            shutil.rmtree(memory, ignore_errors=True)
+            box["durable"] = path / "durable"
+            box["manager"] = CheckpointManager(box["durable"], memory_dir=memory, keep_memory=2,
+                                               keep_durable=2, engine=engine)
+            box["t0"] = time.perf_counter()
+            hooks.append(guard(tr.opt, box["manager"]))
+        return _Response(box["manager"].save(state["step"], state))
+
+    try:
+        yield save
+        manager = box.get("manager")
+        if manager is not None:
+            manager.wait()
+            span = time.perf_counter() - box["t0"]
+            persisted = [f for f in manager.history if f.persist_s is not None]
+            rec["tiers"] = {"saves": len(manager.history), "persisted": len(persisted),
+                            "span_s": span, "bytes": nbytes,
+                            "persist_s": [f.persist_s for f in persisted],
+                            "memory_s": [f.memory_s for f in manager.history]}
+            manager.close()
+            rec["tiers"]["restart"] = restart(tr, manager, engine)
+    finally:
+        for h in hooks:
+            h.remove()
+        shutil.rmtree(memory, ignore_errors=True)
+        engine.close()
+
+
+def restart(tr: Trainer, manager: CheckpointManager, engine: Engine) -> dict:
+    """Seconds to restore the newest checkpoint: from the memory tier (a new manager on the
+    same directories, as after a crash) and cold from the durable tier."""
+    state = tr.state(0)
+    again = CheckpointManager(manager.durable, memory_dir=manager.memory, persist=None,
+                              engine=engine)
+    sync()
+    t = time.perf_counter()
+    step = again.load(state)
+    sync()
+    memory_s = time.perf_counter() - t
+    again.close()
+    durable = manager.durable / f"step_{step}"
+    how = drop_cache([durable])
+    t = time.perf_counter()
+    dcp.load(state, checkpoint_id=durable, storage_reader=DataStatesReader(engine=engine),
+             no_dist=True)
+    sync()
+    return {"step": step, "memory_s": memory_s, "durable_cold_s": time.perf_counter() - t,
+            "evict": how}
+
+
+MODES = {
+    "none": Mode("no checkpoint"),
+    "dcp_pinned": Mode("DCP async_save + pinned DefaultStager", dcp_pinned,
+                       snapshot_before_step=True),
+    "ours": Mode("DataStatesWriter + guard", ours),
+    "tiers": Mode("CheckpointManager: memory tier + persist", tiers, wait_previous=False),
+    "tiers_every_step": Mode("CheckpointManager, every step", tiers, every=1,
+                             wait_previous=False),
+}
+
+
+def run_mode(mode: Mode, tr: Trainer, path: Path, setup: dict, rec: dict) -> None:
+    """Warm up, then time ``--steps`` steps, starting a checkpoint every ``--every``."""
+    a = tr.args
+    rec.update(step_s=[], ckpt_steps=[], block_s=[], state_dict_s=[], upload_wait_s=[],
+               staging_wait_s=[], durable_s=[])
+    pending = None  # (response, call time, completion stamp)
+    earlier: list[tuple] = []  # checkpoints not waited for (mode.wait_previous False)
+    every = mode.every or a.every
+    staging = None  # snapshot_before_step: the staging future to wait for
+
+    def wait_staging() -> None:
+        nonlocal staging
+        if staging is not None:
+            t = time.perf_counter()
+            staging.result()
+            rec["staging_wait_s"].append(time.perf_counter() - t)
+            staging = None
+
+    def finish(p: tuple) -> None:
+        resp, t_call, stamp = p
+        futures(resp)[1].result()
+        rec["durable_s"].append(stamp.wait() - t_call)
+
+    try:
+        with mode.saver(tr, setup, rec) if mode.saver else nullcontext() as start:
+            for _ in range(a.warmup):
+                tr.step()
+            sync()
+            ok = False
+            try:
+                for s in range(1, a.steps + 1):
+                    sync()
+                    t0 = time.perf_counter()
+                    tr.step(wait_staging if mode.snapshot_before_step else None)
+                    if start is not None and s % every == 0:
+                        if pending is not None and not mode.wait_previous:
+                            earlier.append(pending)
+                        elif pending is not None:
+                            t = time.perf_counter()
+                            finish(pending)
+                            rec["upload_wait_s"].append(time.perf_counter() - t)
+                        t = time.perf_counter()
+                        state = tr.state(s)
+                        t_call = time.perf_counter()
+                        rec["state_dict_s"].append(t_call - t)
+                        resp = start(state, path)
+                        rec["block_s"].append(time.perf_counter() - t_call)
+                        rec.setdefault("ckpt_bytes", state_bytes(state))
+                        if mode.snapshot_before_step:
+                            staging = futures(resp)[0]
+                        pending = (resp, t_call, DoneAt(futures(resp)[1]))
+                        rec["ckpt_steps"].append(s)
+                    sync()
+                    rec["step_s"].append(time.perf_counter() - t0)
+                wait_staging()
+                ok = True
+            finally:
+                try:
+                    for p in [*earlier, pending] if pending is not None else earlier:
+                        finish(p)  # the last checkpoint(s): durable time only, no step waits
+                except Exception:
+                    if ok:
+                        raise
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- report --------------------------------------------------------------------------------------
 def params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
@@ -244,105 +333,119 @@ def ms(x: float | None) -> float | None:
 def summarize(rec: dict, base: float | None) -> dict:
     steps = rec.get("step_s", [])
     ck = set(rec.get("ckpt_steps", []))
-    in_ck = [t for i, t in enumerate(steps, 1) if i in ck]
-    after = [t for i, t in enumerate(steps, 1) if i - 1 in ck]
     med = median(steps)
-    return {"median_s": med, "ckpt_step_median_s": median(in_ck), "after_ckpt_median_s":
-            median(after), "max_s": max(steps) if steps else None, "mean_s":
-            sum(steps) / len(steps) if steps else None,
+    mean = sum(steps) / len(steps) if steps else None
+    return {"median_s": med, "mean_s": mean, "max_s": max(steps, default=None),
+            "ckpt_step_median_s": median([t for i, t in enumerate(steps, 1) if i in ck]),
+            "after_ckpt_median_s": median([t for i, t in enumerate(steps, 1) if i - 1 in ck]),
             "slowdown_pct": 100 * (med / base - 1) if med and base else None,
-            "mean_slowdown_pct": 100 * (sum(steps) / len(steps) / base - 1) if steps and base
-            else None,
+            "mean_slowdown_pct": 100 * (mean / base - 1) if mean and base else None,
             "block_median_s": median(rec.get("block_s", [])),
             "state_dict_median_s": median(rec.get("state_dict_s", [])),
-            "staging_wait_total_s": sum(rec.get("staging_wait_s", [])),
-            "upload_wait_total_s": sum(rec.get("upload_wait_s", [])),
+            "staging_wait_total_s": sum(rec.get("staging_wait_s", [])) if ck else None,
+            "upload_wait_total_s": sum(rec.get("upload_wait_s", [])) if ck else None,
             "durable_median_s": median(rec.get("durable_s", [])),
             "ckpt_bytes": rec.get("ckpt_bytes"), "n_steps": len(steps)}
 
 
+def tables(res: dict) -> list[Table]:
+    t = Table(f"GPT {params(res['n_params'])} params ({res['layers']} layers, dim {res['dim']}), "
+              f"bf16 + AdamW, batch {res['batch']} x seq {res['seq']} on {res['device']}, "
+              f"{res['steps']} steps per mode, checkpoint of "
+              f"{format_size(res['ckpt_bytes'] or 0)} every {res['every']} to {res['dir']}",
+              [("mode", ""), ("median ms", ".1f"), ("slowdown", "+.2f%"), ("mean +", "+.1f%"),
+               ("ckpt-step ms", ".1f"), ("next-step ms", ".1f"), ("max ms", ".1f"),
+               ("call ms", ".1f"), ("sd ms", ".1f"), ("stage-w s", ".3f"), ("upload-w s", ".2f"),
+               ("durable s", ".2f")])
+    for mode, r in res["summary"].items():
+        t.add(mode, ms(r["median_s"]), r["slowdown_pct"], r["mean_slowdown_pct"],
+              ms(r["ckpt_step_median_s"]), ms(r["after_ckpt_median_s"]), ms(r["max_s"]),
+              ms(r["block_median_s"]), ms(r["state_dict_median_s"]), r["staging_wait_total_s"],
+              r["upload_wait_total_s"], r["durable_median_s"])
+    t.notes = [
+        "slowdown: median step vs no checkpoint; mean +: mean step vs the no-checkpoint median",
+        "ckpt-step: median of the steps starting a checkpoint; next-step: the steps after them",
+        "call: async_save; sd: get_state_dict; stage-w: total wait for the snapshot before "
+        "optimizer.step (ours: in the guard); upload-w: total wait for the previous checkpoint "
+        "to be durable before the next starts",
+        "one-time (excluded): " + ", ".join(f"{k} {v:.2f} s" for k, v in res["setup"].items())]
+    s = res["summary"]
+    interval = s.get("none", {}).get("median_s")
+    for mode, r in s.items():
+        if interval and r["durable_median_s"] and r["durable_median_s"] > interval * res["every"]:
+            t.notes.append(f"{mode} needs {r['durable_median_s']:.2f} s to be durable, more than "
+                           f"the {interval * res['every']:.2f} s between checkpoints: the next "
+                           "checkpoint waits")
+    if res.get("baseline_drift_pct") is not None:
+        t.notes.append(f"baseline drift: the second no-checkpoint run "
+                       f"{res['baseline_drift_pct']:+.2f}% vs the first")
+    if s.get("ours", {}).get("slowdown_pct") is not None:
+        v = s["ours"]["slowdown_pct"]
+        t.notes.append(f"goal: ours median step <= 2% slower than no checkpoint: {v:+.2f}% -> "
+                       f"{'met' if v <= 2 else 'MISSED'}")
+    out = [t, *tier_tables(res)]
+    if "ours" not in s:
+        return out
+    metrics = {"mean_s": "mean step", "ckpt_step_median_s": "ckpt step", "max_s": "max step",
+               "staging_wait_total_s": "snapshot waits", "upload_wait_total_s": "durable waits",
+               "durable_median_s": "durable"}
+    pairs = {f"{m} / ours": (r, s["ours"]) for m, r in s.items() if m not in ("none", "ours")}
+    return [*out, ratio_table("ratios of times (> 1: ours is faster)", pairs, metrics)]
+
+
+def tier_tables(res: dict) -> list[Table]:
+    """Persists per minute against the disk's write bandwidth, and restart times."""
+    runs = {m: r["tiers"] for m, r in res["runs"].items() if r.get("tiers")}
+    if not runs:
+        return []
+    disk = res.get("disk", {})
+    t = Table(f"checkpoint tiers: memory tier in /dev/shm, persisted to {res['dir']} whenever "
+              f"the previous persist is over; disk write ceiling "
+              f"{disk.get('write_gib_s', 0):.2f} GiB/s (O_DIRECT {disk.get('o_direct')})",
+              [("mode", ""), ("saves", "d"), ("persisted", "d"), ("per min", ".1f"),
+               ("persist GiB/s", ".2f"), ("of disk", ".0%"), ("memory s", ".2f"),
+               ("restart mem s", ".2f"), ("cold disk s", ".2f"), ("speed-up", ".1f")])
+    for mode, r in runs.items():
+        gib_s = r["persisted"] * r["bytes"] / 2**30 / r["span_s"] if r["span_s"] else None
+        rs = r.get("restart", {})
+        t.add(mode, r["saves"], r["persisted"], 60 * r["persisted"] / r["span_s"], gib_s,
+              gib_s / disk["write_gib_s"] if gib_s and disk.get("write_gib_s") else None,
+              median(r["memory_s"]), rs.get("memory_s"), rs.get("durable_cold_s"),
+              rs["durable_cold_s"] / rs["memory_s"] if rs.get("memory_s") else None)
+    t.notes = ["per min: checkpoints persisted per minute of training; persist GiB/s: their "
+               "bytes over the mode's span; of disk: that against the disk write ceiling",
+               "memory s: median time from save() to the memory-tier commit; restart: a new "
+               "manager loading the newest step from memory, vs a cold DataStatesReader load "
+               "of the same step from the durable tier"]
+    return [t]
+
+
 def plot(res: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6), width_ratios=(2.2, 1))
+    fig, (ax1, ax2) = figure(2, size=(13, 4.6), width_ratios=(2.2, 1))
     for name, rec in res["runs"].items():
         if rec.get("step_s"):
+            mode = MODES[name.split("#")[0]]
             ax1.plot(range(1, len(rec["step_s"]) + 1), [t * 1e3 for t in rec["step_s"]],
-                     marker=".", lw=1, label=LABELS.get(name.split("#")[0], name) + (
-                         " (again)" if "#" in name else ""))
+                     marker=".", lw=1, label=mode.label + (" (again)" if "#" in name else ""))
     for s in range(res["every"], res["steps"] + 1, res["every"]):
         ax1.axvline(s, color="grey", ls=":", lw=0.8)
     ax1.set_xlabel("step (dotted: checkpoint starts)")
     ax1.set_ylabel("step time, ms")
     ax1.legend(fontsize=8)
-    rows = [(m, r) for m, r in res["summary"].items() if r.get("median_s")]
-    keys = (("median_s", "median"), ("ckpt_step_median_s", "ckpt steps"), ("max_s", "max"))
-    w = 0.8 / len(keys)
-    for j, (key, lab) in enumerate(keys):
-        xs = [i + (j - 1) * w for i in range(len(rows))]
-        bars = ax2.bar(xs, [(r[key] or 0) * 1e3 for _, r in rows], w, label=lab)
-        ax2.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax2.set_xticks(range(len(rows)), [m for m, _ in rows], fontsize=8)
-    ax2.set_ylabel("ms")
-    ax2.legend(fontsize=8)
+    rows = {m: r for m, r in res["summary"].items() if r.get("median_s")}
+    bars(ax2, list(rows), {label: [ms(r[key]) for r in rows.values()] for key, label in (
+        ("median_s", "median"), ("ckpt_step_median_s", "ckpt steps"), ("max_s", "max"))},
+         spec=".0f", ylabel="ms")
     m = res["machine"]
-    fig.suptitle(f"GPT {params(res['n_params'])} params bf16, AdamW, batch {res['batch']} x "
-                 f"seq {res['seq']}, checkpoint ({format_size(res['ckpt_bytes'] or 0)}) every "
-                 f"{res['every']} steps; {m.get('gpu', 'CPU')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-
-
-def print_table(res: dict) -> None:
-    m = res["machine"]
-    log(f"\n=== bench_training: GPT {params(res['n_params'])} params ({res['layers']} layers, "
-        f"dim {res['dim']}), bf16 + AdamW, batch {res['batch']} x seq {res['seq']}, "
-        f"{res['steps']} steps/mode, checkpoint every {res['every']} ===")
-    log(f"machine: {m.get('gpu', 'no GPU')}; torch {m['torch']}; python {m['python']}; "
-        f"checkpoint {format_size(res['ckpt_bytes'] or 0)} to {res['dir']}")
-    log("one-time: " + ", ".join(f"{k} {v:.2f} s" for k, v in res["setup"].items()))
-    head = (f"{'mode':<10} {'median ms':>9} {'slowdown':>8} {'mean +%':>7} {'ckpt-step':>9} "
-            f"{'next-step':>9} {'max ms':>7} {'call ms':>7} {'sd ms':>6} {'stage-w s':>9} "
-            f"{'upload-w s':>10} {'durable s':>9}")
-    log(head + "\n" + "-" * len(head))
-    for mode, r in res["summary"].items():
-        log(f"{mode:<10} {fmt(ms(r['median_s']), '9.1f')} "
-            f"{fmt(r['slowdown_pct'], '+7.2f')}% {fmt(r['mean_slowdown_pct'], '+6.1f')}% "
-            f"{fmt(ms(r['ckpt_step_median_s']), '9.1f')} "
-            f"{fmt(ms(r['after_ckpt_median_s']), '9.1f')} {fmt(ms(r['max_s']), '7.1f')} "
-            f"{fmt(ms(r['block_median_s']), '7.1f')} {fmt(ms(r['state_dict_median_s']), '6.1f')} "
-            f"{fmt(r['staging_wait_total_s'] if mode != 'none' else None, '9.3f')} "
-            f"{fmt(r['upload_wait_total_s'] if mode != 'none' else None, '10.2f')} "
-            f"{fmt(r['durable_median_s'], '9.2f')}")
-    log("slowdown: median step vs no checkpoint; mean +%: mean step vs the no-checkpoint median;\n"
-        "ckpt-step: median of steps starting a checkpoint; next-step: the steps after them; "
-        "call: async_save;\nsd: get_state_dict; stage-w: total wait for the snapshot before "
-        "optimizer.step (ours: in the guard);\nupload-w: total wait for the previous checkpoint "
-        "to be durable before the next starts")
-    ours = res["summary"].get("ours")
-    if ours and ours.get("slowdown_pct") is not None:
-        ok = ours["slowdown_pct"] <= 2
-        log(f"goal: ours median step <= 2% slower than no checkpoint: "
-            f"{ours['slowdown_pct']:+.2f}% -> {'met' if ok else 'MISSED'}")
-    interval = res["summary"].get("none", {}).get("median_s")
-    for mode in ("dcp_pinned", "ours"):
-        r = res["summary"].get(mode)
-        if r and interval and r["durable_median_s"] and r["durable_median_s"] > interval * res[
-                "every"]:
-            log(f"note: {mode} needs {r['durable_median_s']:.2f} s to be durable, more than the "
-                f"{interval * res['every']:.2f} s between checkpoints: the next checkpoint waits")
-    if res["errors"]:
-        log("errors: " + "; ".join(f"{k}: {v[0]}" for k, v in res["errors"].items()))
+    save(fig, png, f"GPT {params(res['n_params'])} params bf16, AdamW, batch {res['batch']} x "
+                   f"seq {res['seq']}, checkpoint ({format_size(res['ckpt_bytes'] or 0)}) every "
+                   f"{res['every']} steps; {m.get('gpu', 'CPU')}")
 
 
 # -- main ----------------------------------------------------------------------------------------
 def main() -> None:
     t_start = time.perf_counter()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, smoke="tiny model on CPU, 8 steps, checkpoint every 4")
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
@@ -353,10 +456,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before each mode")
     ap.add_argument("--dir", default="/tmp/bench_training", help="checkpoint directory")
-    ap.add_argument("--out", default="benchmarks/out", help="folder for the PNG and JSON")
-    ap.add_argument("--skip", nargs="*", default=[], choices=MODES, metavar="MODE")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny model on CPU, 8 steps, checkpoint every 4 (debugging)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=list(MODES), metavar="MODE",
+                    help=f"modes to leave out: {', '.join(MODES)}")
     args = ap.parse_args()
     if args.cpu_smoke:
         args.layers, args.dim, args.heads, args.vocab, args.seq, args.batch = 2, 64, 4, 256, 32, 4
@@ -366,24 +467,22 @@ def main() -> None:
     device = "cpu" if args.cpu_smoke else "cuda"
     root = Path(args.dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_training_cpu_smoke" if args.cpu_smoke else "bench_training"
 
     tr = Trainer(args, device)
     tr.step()  # creates the optimizer state
     sync()
     ckpt_bytes = state_bytes(tr.state(0))
-    res = {"command": " ".join([sys.executable, *sys.argv]), "machine": machine(torch),
-           **{k: getattr(args, k) for k in ("layers", "dim", "heads", "vocab", "seq", "batch",
-                                            "steps", "every", "warmup")},
-           "n_params": tr.n_params, "ckpt_bytes": ckpt_bytes, "dir": str(root), "setup": {},
-           "runs": {}, "summary": {}, "errors": {}}
+    require(str(root), int(2.2 * ckpt_bytes), free_bytes(root), "2 checkpoints")
+    run = Run("bench_training", args, [root, Path("/dev/shm")])
+    run.header()
+    res = run.res
+    res.update(**{k: getattr(args, k) for k in ("layers", "dim", "heads", "vocab", "seq",
+                                                 "batch", "steps", "every", "warmup")},
+               device=device, n_params=tr.n_params, ckpt_bytes=ckpt_bytes, dir=str(root),
+               setup={}, runs={}, summary={})
     log(f"model: {params(tr.n_params)} params on {device}; checkpoint "
         f"{format_size(ckpt_bytes)}; {format_size(free_bytes(root))} free in {root}, "
         f"{format_size(free_bytes('/dev/shm'))} in /dev/shm (ours' host cache lives there)")
-    if free_bytes(root) < 2.2 * ckpt_bytes:
-        sys.exit(f"{root}: needs {format_size(2.2 * ckpt_bytes)} free")
     modes = [m for m in MODES if m not in args.skip]
     plan = [*modes, "none"] if "none" in modes and len(modes) > 1 else modes
     for i, mode in enumerate(plan):
@@ -391,14 +490,15 @@ def main() -> None:
         rec: dict = {}
         res["runs"][name] = rec
         t_mode = time.perf_counter()
-        fn = {"none": run_mode, "dcp_pinned": mode_dcp, "ours": mode_ours}[mode]
-        guarded(name, fn, res["errors"], mode, tr, root / mode, res["setup"], rec)
+        run.guard(name, run_mode, MODES[mode], tr, root / mode, res["setup"], rec)
         steps = rec.get("step_s", [])
-        log(f"{name}: {len(steps)} steps, median {fmt(ms(median(steps)), '.1f')} ms, max "
-            f"{fmt(ms(max(steps, default=None)), '.1f')} ms; mode took "
-            f"{time.perf_counter() - t_mode:.1f} s (elapsed {time.perf_counter() - t_start:.0f} s)")
+        log(f"{name}: {len(steps)} steps, median {ms(median(steps)) or 0:.1f} ms, max "
+            f"{ms(max(steps, default=0)):.1f} ms; mode took {time.perf_counter() - t_mode:.1f} s "
+            f"(elapsed {time.perf_counter() - t_start:.0f} s)")
 
     runs = res["runs"]
+    if any(r.get("tiers") for r in runs.values()):
+        res["disk"] = run.guard("disk ceiling", disk_ceiling, root, min(ckpt_bytes, 4 << 30))
     both = runs.get("none", {}).get("step_s", []) + runs.get("none#2", {}).get("step_s", [])
     if "none#2" in runs:
         first, again = median(runs["none"].get("step_s", [])), median(runs["none#2"]["step_s"])
@@ -406,15 +506,7 @@ def main() -> None:
     base = median(both)
     res["summary"] = {m: summarize({"step_s": both} if m == "none" else r, base)
                       for m, r in runs.items() if m != "none#2"}
-    if not res["ckpt_bytes"]:
-        res["ckpt_bytes"] = ckpt_bytes
-    res["total_s"] = time.perf_counter() - t_start
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
-    guarded("plot", plot, res["errors"], res, out / f"{stem}.png")
-    log(f"wrote {out / (stem + '.png')} and {out / (stem + '.json')}; total {res['total_s']:.0f} s")
-    print_table(res)
-    if res.get("baseline_drift_pct") is not None:
-        log(f"baseline drift: second no-checkpoint run {res['baseline_drift_pct']:+.2f}% vs first")
+    run.finish(tables, plot)
 
 
 if __name__ == "__main__":

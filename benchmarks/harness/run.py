@@ -1,0 +1,100 @@
+"""One benchmark run: command line, date, machine, errors, tables, and its JSON and PNG."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from harness import REPO
+from harness.machine import describe, summary
+from harness.tables import Table
+
+OUT = REPO / "benchmarks" / "out"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def parser(doc: str, smoke: str | None = None) -> argparse.ArgumentParser:
+    """The script's arguments, with ``doc`` as their help: ``--json``, which every one has, and
+    ``--cpu-smoke`` (a small run on CPU that checks the code paths: ``smoke`` says how)."""
+    head, _, rest = doc.strip().partition("\n\n")
+    ap = argparse.ArgumentParser(description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=None,
+                    help="the results' JSON, the PNG goes beside it (default: "
+                    "benchmarks/out/<script>.json, <script>_cpu_smoke.json in a CPU smoke run)")
+    if smoke:
+        ap.add_argument("--cpu-smoke", action="store_true", help=f"{smoke} (checks the code paths)")
+    return ap
+
+
+def command_line(launcher: str) -> str:
+    """The command that runs this again from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(REPO):
+        script = script.relative_to(REPO)
+    return shlex.join([*shlex.split(launcher), str(script), *sys.argv[1:]])
+
+
+class Run:
+    """What one run records: its command, date, machine, figures, tables and errors.
+
+    ``res`` is the JSON: benchmarks add their figures to it; ``show`` adds a table.
+    """
+
+    def __init__(self, name: str, args: argparse.Namespace, dirs: list[Path] = (), *,
+                 launcher: str = "python") -> None:
+        smoke = getattr(args, "cpu_smoke", False)
+        self.t0 = time.perf_counter()
+        self.json = args.json or OUT / f"{name}{'_cpu_smoke' if smoke else ''}.json"
+        self.res: dict = {
+            "benchmark": name, "command": command_line(launcher), "argv": sys.argv,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": describe(dirs), "args": vars(args), "cpu_smoke": smoke,
+            "loadavg_1min": [os.getloadavg()[0]], "errors": {}, "tables": []}
+
+    def header(self) -> None:
+        log(f"{self.res['command']}\nmachine: {summary(self.res['machine'])}")
+
+    def guard(self, what: str, fn, *args: object, **kwargs: object) -> object:
+        """Run ``fn``; on failure log the traceback's tail, record it, and return None."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - report and keep the other variants going
+            tail = "".join(traceback.format_exception(exc)).strip().splitlines()[-12:]
+            log(f"!! {what} FAILED: {type(exc).__name__}: {exc}\n   " + "\n   ".join(tail))
+            self.res["errors"].setdefault(what, []).append(f"{type(exc).__name__}: {exc}")
+            return None
+
+    def show(self, table: Table) -> None:
+        """Print ``table`` and keep it for the JSON (``report.py`` renders it)."""
+        self.res["tables"].append(table.to_json())
+        log("\n" + table.text())
+
+    def write(self) -> None:
+        self.json.parent.mkdir(parents=True, exist_ok=True)
+        self.json.write_text(json.dumps(self.res, indent=1, default=str))
+
+    def finish(self, tables, plot) -> None:
+        """Show ``tables(res)``, draw ``plot(res, png)`` beside the JSON, write the JSON."""
+        self.res["loadavg_1min"].append(os.getloadavg()[0])
+        self.res["total_s"] = time.perf_counter() - self.t0
+        for table in self.guard("tables", tables, self.res) or []:
+            self.show(table)
+        png = self.json.with_suffix(".png")
+        if self.guard("plot", lambda: plot(self.res, png) or True) is None:
+            png = None
+        if self.res["errors"]:
+            log("errors: " + "; ".join(f"{k}: {v[0]}" + (f" (x{len(v)})" if len(v) > 1 else "")
+                                       for k, v in self.res["errors"].items()))
+        self.write()
+        log(f"\nwrote {self.json}" + (f" and {png}" if png else ""))
