@@ -1,50 +1,74 @@
 # dcp_datastates — set-up, build, demo and tests on a fresh Debian machine (run as root, or with sudo).
+# Everything is installed into the project's .venv (made with $(PYTHON)), never into the system.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := cmake gcc make liburing-dev openmpi-bin libopenmpi-dev
-STAMP := build/.setup-done
+SHIM := dcp_datastates/_lib/libdcp_uring.so
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 600 mpirun --oversubscribe
-MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py
+MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py tests/test_tiers_mpi.py
 
-.PHONY: setup native demo test test-mpi lint bench clean
+.PHONY: setup native demo test test-mpi test-package lint bench clean distclean FORCE
 
-## setup: install system packages, PyTorch (CPU wheel, pinned) and the package with its test tools
-setup: $(STAMP)
-$(STAMP): pyproject.toml
-	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+## setup: system packages, then in .venv PyTorch (CPU wheel, pinned, first so that pip never
+## picks a CUDA build) and the package (editable, which builds the shim) with its test tools;
+## done again only when pyproject.toml, this Makefile or the package's directories change
+setup: $(VENV)/.setup-done
+$(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
+	@pkgs="$(APT_PACKAGES)"; $(PYTHON) -c 'import ensurepip' 2>/dev/null || pkgs="$$pkgs python3-venv"; \
+	if ! dpkg -s $$pkgs >/dev/null 2>&1; then \
 		$(SUDO) apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(APT_PACKAGES); fi
-	$(PYTHON) -m pip install -q "$(TORCH)"
-	$(PYTHON) -m pip install -q -e ".[test,bench]"
-	$(PYTHON) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
-	$(PYTHON) -m pip install -q tyro
-	@mkdir -p build && touch $@
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$pkgs; fi
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,bench]" tyro
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
+	touch $@
 
-## native: build the io_uring shim (dcp_datastates/_lib/libdcp_uring.so), liburing linked statically
-native: setup
+# The editable install maps the package's directories as they are when it is made (a directory
+# made later, or given an __init__.py later, is not seen): this file changes when they do.
+LAYOUT := $(filter-out %/__pycache__/ %/_lib/,$(wildcard dcp_datastates/*/ dcp_datastates/*/*/)) \
+	$(wildcard dcp_datastates/*/__init__.py dcp_datastates/*/*/__init__.py)
+$(VENV)/.layout: FORCE
+	@mkdir -p $(VENV); echo '$(strip $(LAYOUT))' | cmp -s - $@ || echo '$(strip $(LAYOUT))' >$@
+FORCE:
+
+## native: rebuild the io_uring shim ($(SHIM), liburing linked statically) after native/ changes
+native: $(SHIM)
+$(SHIM): native/dcp_uring.c native/dcp_uring.h CMakeLists.txt | setup
 	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 	cmake --build build -j 2
+	@[ ! -f $@ ] || touch $@  # without liburing there is no shim: the thread backend is used
 
 ## demo: train a small model with async checkpoints, resume from the last one and verify
 demo: native
-	$(PYTHON) examples/train_demo.py
+	$(PY) examples/train_demo.py
 
 ## test: the whole suite (single-process tests, then multi-rank tests under mpirun -n 2 and -n 4)
 test: native lint
-	$(PYTHON) -m pytest -q tests
+	$(PY) -m pytest -q tests
 	$(MAKE) --no-print-directory test-mpi
 
 test-mpi: native
-	$(MPIRUN) -n 2 $(PYTHON) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
-	$(MPIRUN) -n 4 $(PYTHON) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
+	$(MPIRUN) -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
+	$(MPIRUN) -n 4 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
+
+## test-package: build the sdist and wheel, install them (and `pip install .`) into fresh venvs
+## and save and load through io_uring with each (CI runs it after `make test`)
+test-package: setup
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" BUILD_PYTHON=$(abspath $(PY)) .ci/check_package.sh
 
 lint: setup
-	$(PYTHON) -m ruff check .
+	$(PY) -m ruff check .
 
 ## bench: CPU benchmark against DCP's FileSystemWriter/Reader (writes benchmarks/out/)
 bench: native
-	$(PYTHON) benchmarks/bench_cpu.py
+	$(PY) benchmarks/bench_cpu.py
 
 clean:
-	rm -rf build dcp_datastates/_lib benchmarks/out .pytest_cache
+	rm -rf build dist dcp_datastates/_lib benchmarks/out .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV)

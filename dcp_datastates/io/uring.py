@@ -59,7 +59,7 @@ def check_abi(lib: object, path: Path | str) -> None:
 def _load(path: Path) -> ctypes.CDLL:
     """Load the shim, check its ABI version and declare its signatures."""
     if not path.is_file():
-        raise UringUnavailable(f"shim {path} not found (build it with CMake)")
+        raise UringUnavailable(f"shim {path} not found (built without liburing-dev?)")
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
