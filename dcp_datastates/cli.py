@@ -3,52 +3,74 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
 import os
-import stat
 import sys
+import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from .checksums import memory_at
 from .errors import CheckpointCorruptError, CheckpointError
-from .file_format import SAFETENSORS_DTYPES
-from .metadata_file import ItemLocation, read_metadata
+from .file_format import (
+    PAD_PREFIX,
+    SAFETENSORS_DTYPES,
+    ItemSpec,
+    entry_key,
+    entry_mismatch,
+    export_header,
+    read_file_header,
+    size_mismatch,
+)
+from .jobs.load import check_locations, stored_spec
+from .jobs.save import entry_name
+from .metadata_file import ItemLocation, open_regular, read_metadata
 from .sizes import format_size, parse_size
 
 
 @dataclass(frozen=True)
 class _Chunk:
-    """One stored piece of an item: its chunk offsets (None for bytes items) and location."""
+    """One stored piece of an item: its DCP index and its location."""
 
-    fqn: str
-    offsets: tuple[int, ...] | None
+    index: MetadataIndex
     loc: ItemLocation
+
+    @property
+    def fqn(self) -> str:
+        return self.index.fqn
+
+    @property
+    def offsets(self) -> tuple[int, ...] | None:
+        """The chunk's offsets in the full tensor (None for bytes items)."""
+        return None if self.index.offset is None else tuple(self.index.offset)
+
+
+def _path(arg: str) -> Path:
+    return Path(os.path.expanduser(arg))
 
 
 def _load(path: Path) -> tuple[Metadata, dict[str, list[_Chunk]]]:
     """The checkpoint's metadata and its stored chunks grouped by fqn."""
     md = read_metadata(path)
+    check_locations(path, md)
     chunks: dict[str, list[_Chunk]] = defaultdict(list)
     for index, loc in md.storage_data.items():
-        if not isinstance(loc, ItemLocation):
-            raise CheckpointCorruptError(
-                f"{path}/.metadata: item {index.fqn!r} has no DataStates location; was this "
-                f"checkpoint written by another storage writer?"
-            )
-        if "/" in loc.file or loc.file in ("", ".", ".."):
-            raise CheckpointCorruptError(f"{path}/.metadata: bad file name {loc.file!r}")
-        offsets = None if index.offset is None else tuple(index.offset)
-        chunks[index.fqn].append(_Chunk(index.fqn, offsets, loc))
+        chunks[index.fqn].append(_Chunk(index, loc))
     return md, chunks
+
+
+def _spec(path: Path, md: Metadata, c: _Chunk) -> ItemSpec:
+    """The chunk as ``.metadata`` describes it (raises where ``.metadata`` contradicts itself)."""
+    tensor = isinstance(md.state_dict_metadata.get(c.fqn), TensorStorageMetadata)
+    return stored_spec(md, c.index, c.loc, tensor, f"{path}: {_where(c)}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -78,8 +100,8 @@ def _inspect_data(path: Path) -> dict[str, Any]:
         })
     files_out = []
     for name in sorted(per_file):
-        f = path / name
-        files_out.append({"name": name, "size": f.stat().st_size if f.is_file() else None,
+        size, problem = _file_size(path / name)
+        files_out.append({"name": name, "size": size, "problem": problem,
                           "items": per_file[name]})
     totals = {
         "items": len(items),
@@ -90,6 +112,18 @@ def _inspect_data(path: Path) -> dict[str, Any]:
         "file_bytes": sum(f["size"] or 0 for f in files_out),
     }
     return {"path": str(path), "items": items, "files": files_out, "totals": totals}
+
+
+def _file_size(f: Path) -> tuple[int | None, str | None]:
+    """(size, None) of a usable data file, else (None, what is wrong with it)."""
+    try:
+        fd = open_regular(f)
+    except OSError as exc:
+        return None, exc.strerror
+    try:
+        return os.fstat(fd).st_size, None
+    finally:
+        os.close(fd)
 
 
 def _table(rows: list[list[str]], right: set[int]) -> str:
@@ -104,7 +138,7 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print the items, the data files and the totals."""
-    data = _inspect_data(Path(args.path))
+    data = _inspect_data(_path(args.path))
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -117,9 +151,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print()
     frows = [["file", "size", "items"]]
     for f in data["files"]:
-        size = "MISSING" if f["size"] is None else f"{f['size']} ({format_size(f['size'])})"
+        size = "-" if f["size"] is None else f"{f['size']} ({format_size(f['size'])})"
         frows.append([f["name"], size, str(f["items"])])
     print(_table(frows, {2}))
+    for f in data["files"]:
+        if f["problem"] is not None:
+            print(f"warning: data file {f['name']} {f['problem']}", file=sys.stderr)
     t = data["totals"]
     print(f"\ntotal: {t['items']} items ({t['tensors']} tensors, {t['chunks']} chunks), "
           f"{t['bytes']} item bytes ({format_size(t['bytes'])}) in {t['files']} files "
@@ -192,33 +229,53 @@ def _where(c: _Chunk) -> str:
 
 def _verify_chunk(fd: int, size: int, c: _Chunk, buf: memoryview,
                   progress: _Progress) -> list[str]:
-    """Problems found in one stored chunk: truncation and checksum mismatches."""
+    """Problems found in one stored chunk's bytes: truncation and checksum mismatches."""
     loc = c.loc
-    problems = []
-    nblocks = max(1, -(-loc.length // loc.block))
-    if len(loc.checksums) != nblocks:
-        problems.append(f"{_where(c)}: .metadata has {len(loc.checksums)} checksums for "
-                        f"{nblocks} blocks")
     if loc.offset + loc.length > size:
-        problems.append(f"{_where(c)}: truncated: needs file bytes {loc.offset}.."
-                        f"{loc.offset + loc.length}, the file has {size}")
         progress.update(loc.length)
-        return problems
+        return [f"{_where(c)}: truncated: needs file bytes {loc.offset}.."
+                f"{loc.offset + loc.length}, the file has {size}"]
+    problems = []
     for k, b0, b1 in _blocks(loc):
         mem = buf[: b1 - b0]
         got = _pread_into(fd, mem, loc.offset + b0)
         progress.update(b1 - b0)
-        ok = got == b1 - b0 and k < len(loc.checksums)
-        if not ok or xxhash.xxh3_64_intdigest(mem) != loc.checksums[k]:
+        if got != b1 - b0 or xxhash.xxh3_64_intdigest(mem) != loc.checksums[k]:
             problems.append(f"{_where(c)}: checksum mismatch in item bytes {b0}..{b1} "
                             f"(file bytes {loc.offset + b0}..{loc.offset + b1})")
     return problems
 
 
+def _header_problems(path: Path, md: Metadata, name: str, fd: int, size: int,
+                     cs: list[_Chunk]) -> list[str]:
+    """Where file ``name``'s safetensors header disagrees with ``.metadata``: each item's
+    dtype, shape and data offsets, entries ``.metadata`` does not know, the file's size."""
+    try:
+        data_start, header = read_file_header(fd, size, f"file {name}")
+    except CheckpointCorruptError as exc:
+        return [str(exc)]
+    problems = []
+    if (why := size_mismatch(header, data_start, size)) is not None:
+        problems.append(f"file {name}: {why}")
+    for c in cs:
+        try:
+            why = entry_mismatch(header, data_start, _spec(path, md, c), c.loc.offset)
+        except CheckpointCorruptError as exc:
+            why = str(exc)
+        if why is not None:
+            problems.append(f"{_where(c)}: header does not match .metadata: {why}")
+    known = {entry_key(entry_name(c.index)) for c in cs}
+    problems += [f"file {name}: the header has an entry {key!r} that .metadata does not list"
+                 for key in header if key != "__metadata__" and key not in known
+                 and not key.startswith(PAD_PREFIX)]
+    return problems
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Re-read every stored byte and check it against the checksums in ``.metadata``."""
-    path = Path(args.path)
-    _, chunks = _load(path)
+    """Check every data file's header against ``.metadata``, and re-read every stored byte
+    against the checksums in ``.metadata``."""
+    path = _path(args.path)
+    md, chunks = _load(path)
     by_file: dict[str, list[_Chunk]] = defaultdict(list)
     for cs in chunks.values():
         for c in cs:
@@ -232,15 +289,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for name in sorted(by_file):
             cs = sorted(by_file[name], key=lambda c: c.loc.offset)
             try:
-                fd = _open_data(path / name)
+                fd = open_regular(path / name)
             except OSError as exc:
-                problems += [f"{_where(c)}: data file missing or unreadable "
-                             f"({exc.strerror})" for c in cs]
+                problems.append(f"file {name} {exc.strerror} ({len(cs)} stored chunks live "
+                                f"there)")
                 progress.update(sum(c.loc.length for c in cs))
                 continue
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 size = os.fstat(fd).st_size
+                problems += _header_problems(path, md, name, fd, size, cs)
                 for c in cs:
                     if c.loc.length > len(buf):
                         buf = memoryview(bytearray(min(c.loc.length, c.loc.block)))
@@ -256,67 +314,53 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"  {p}", file=sys.stderr)
         return 1
     print(f"OK: {path}: {nchunks} stored chunks, {total} bytes ({format_size(total)}) in "
-          f"{len(by_file)} files match their checksums")
+          f"{len(by_file)} files match their headers and checksums")
     return 0
 
 
 # -- export -------------------------------------------------------------------------------------
-def _open_data(path: Path) -> int:
-    """Open a data file for reading: no symlinks, and a regular file (a FIFO must not hang)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
-    os.set_blocking(fd, True)
-    return fd
-
-
 def _read_chunk(path: Path, c: _Chunk, fds: dict[str, int], verify: bool) -> torch.Tensor:
     """A stored chunk's bytes as a uint8 tensor, checked against its checksums."""
     loc = c.loc
     if loc.file not in fds:
         try:
-            fds[loc.file] = _open_data(path / loc.file)
+            fds[loc.file] = open_regular(path / loc.file)
         except OSError as exc:
             raise CheckpointCorruptError(
-                f"{path}: {_where(c)}: data file missing or unusable ({exc.strerror})") from None
+                f"{path}: {_where(c)}: the data file {exc.strerror}") from None
     buf = torch.empty(loc.length, dtype=torch.uint8)
-    mem = memoryview(buf.numpy()).cast("B")
+    mem = memory_at(buf.data_ptr(), loc.length)
     if _pread_into(fds[loc.file], mem, loc.offset) != loc.length:
         raise CheckpointCorruptError(f"{path}: {_where(c)}: data file is truncated")
     if verify:
         for k, b0, b1 in _blocks(loc):
-            if k >= len(loc.checksums) or xxhash.xxh3_64_intdigest(mem[b0:b1]) != loc.checksums[k]:
+            if xxhash.xxh3_64_intdigest(mem[b0:b1]) != loc.checksums[k]:
                 raise CheckpointCorruptError(
                     f"{path}: {_where(c)}: checksum mismatch in item bytes {b0}..{b1}")
     return buf
 
 
-def _assemble(path: Path, md: TensorStorageMetadata, stored: list[_Chunk],
+def _assemble(path: Path, md: Metadata, fqn: str, stored: list[_Chunk],
               fds: dict[str, int], verify: bool) -> torch.Tensor:
-    """The full tensor, every stored chunk copied into place."""
-    dtype = md.properties.dtype
-    full = torch.empty(tuple(md.size), dtype=dtype)
+    """The full tensor ``fqn``, every stored chunk copied into place."""
+    tmd = md.state_dict_metadata[fqn]
+    full = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
     where = {c.offsets: c for c in stored}
     covered = 0
-    for chunk in md.chunks:
+    for chunk in tmd.chunks:
         c = where.get(tuple(chunk.offsets))
         if c is None:
             raise CheckpointCorruptError(
-                f"{path}: .metadata has no location for chunk {list(chunk.offsets)} of "
-                f"{stored[0].fqn if stored else '?'}")
-        sizes = tuple(chunk.sizes)
-        if math.prod(sizes) * dtype.itemsize != c.loc.length:
-            raise CheckpointCorruptError(f"{path}: {_where(c)}: {c.loc.length} bytes stored for "
-                                         f"a {dtype} chunk of shape {list(sizes)}")
-        data = _read_chunk(path, c, fds, verify).view(dtype).view(sizes)
+                f"{path}: .metadata has no location for chunk {list(chunk.offsets)} of {fqn!r}")
+        spec = _spec(path, md, c)
+        data = _read_chunk(path, c, fds, verify).view(spec.dtype).view(spec.shape)
         dst = full
-        for dim, (o, n) in enumerate(zip(chunk.offsets, sizes, strict=True)):
+        for dim, (o, n) in enumerate(zip(chunk.offsets, spec.shape, strict=True)):
             dst = dst.narrow(dim, o, n)
         dst.copy_(data)
-        covered += math.prod(sizes)
+        covered += math.prod(spec.shape)
     if covered != full.numel():
-        raise CheckpointCorruptError(f"{path}: chunks of {stored[0].fqn!r} cover {covered} of "
+        raise CheckpointCorruptError(f"{path}: chunks of {fqn!r} cover {covered} of "
                                      f"{full.numel()} elements")
     return full
 
@@ -334,14 +378,37 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+def _write_new(dest: Path, parts: Iterable[bytes | memoryview]) -> None:
+    """Write ``dest`` under a temporary name, then rename it into place: whatever was at
+    ``dest`` (a link, a FIFO) is replaced, never written through."""
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with open(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _inside(out: Path, path: Path) -> bool:
+    """Whether ``out`` is the directory ``path`` or lies inside it (links resolved)."""
+    out, path = out.resolve(), path.resolve()
+    return out == path or path in out.parents
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Write full tensors as Hugging Face-style safetensors file(s)."""
-    from safetensors.torch import save_file
-
-    path, out = Path(args.path), Path(args.out)
+    path, out = _path(args.path), _path(args.out)
     max_bytes = parse_size(args.max_shard_size, name="--max-shard-size")
+    if _inside(out, path):
+        print(f"error: output directory {out} is inside the checkpoint directory {path}: "
+              f"export elsewhere", file=sys.stderr)
+        return 1
     md, chunks = _load(path)
-    selected: dict[str, tuple[str, TensorStorageMetadata]] = {}  # out name -> (fqn, md)
+    selected: dict[str, str] = {}  # out name -> fqn
     skipped_bytes, skipped_dtype = [], []
     for fqn, smd in sorted(md.state_dict_metadata.items()):
         if not fqn.startswith(args.prefix):
@@ -351,7 +418,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         elif smd.properties.dtype not in SAFETENSORS_DTYPES:
             skipped_dtype.append(f"{fqn} ({_dtype_name(smd.properties.dtype)})")
         else:
-            selected[fqn[len(args.prefix):]] = (fqn, smd)
+            selected[fqn[len(args.prefix):]] = fqn
     if skipped_bytes:
         print(f"note: skipped {len(skipped_bytes)} non-tensor item(s): "
               f"{', '.join(skipped_bytes)}", file=sys.stderr)
@@ -361,23 +428,32 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not selected:
         print(f"error: {path}: no tensors to export", file=sys.stderr)
         return 1
-    nbytes = {name: math.prod(smd.size) * smd.properties.dtype.itemsize
-              for name, (_, smd) in selected.items()}
-    shards = _plan_shards(nbytes, max_bytes)
+    specs = {}
+    for name, fqn in selected.items():
+        t = md.state_dict_metadata[fqn]
+        dtype = t.properties.dtype
+        specs[name] = ItemSpec(name, dtype, tuple(t.size), math.prod(t.size) * dtype.itemsize)
+    shards = _plan_shards({name: spec.nbytes for name, spec in specs.items()}, max_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     out.mkdir(parents=True, exist_ok=True)
-    total = sum(nbytes.values())
+    total = sum(spec.nbytes for spec in specs.values())
     progress = _Progress(total, "exporting", not args.quiet)
     fds: dict[str, int] = {}
+
+    def shard_bytes(shard: list[str]) -> Iterator[bytes | memoryview]:
+        """The file's header, then each full tensor, largest elements first (all aligned)."""
+        order = sorted((specs[n] for n in shard), key=lambda s: (-s.dtype.itemsize, s.name))
+        yield export_header(order, {"format": "pt"})
+        for spec in order:
+            fqn = selected[spec.name]
+            full = _assemble(path, md, fqn, chunks.get(fqn, []), fds, not args.no_verify)
+            yield memory_at(full.data_ptr(), spec.nbytes) if spec.nbytes else b""
+            progress.update(spec.nbytes)
+
     try:
         for file, shard in zip(names, shards, strict=True):
-            tensors = {}
-            for name in shard:
-                fqn, smd = selected[name]
-                tensors[name] = _assemble(path, smd, chunks.get(fqn, []), fds, not args.no_verify)
-                progress.update(nbytes[name])
-            save_file(tensors, str(out / file), metadata={"format": "pt"})
+            _write_new(out / file, shard_bytes(shard))
     finally:
         progress.close()
         for fd in fds.values():
@@ -385,7 +461,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: f for f, s in zip(names, shards, strict=True) for n in s}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        _write_new(out / "model.safetensors.index.json",
+                   [(json.dumps(index, indent=2) + "\n").encode()])
     print(f"exported {len(selected)} tensors, {total} bytes ({format_size(total)}) to {out} "
           f"in {len(shards)} file(s): {', '.join(names)}")
     return 0
@@ -412,10 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = add("verify", "re-read all data and check every checksum",
-            "Verify a checkpoint: read every stored byte and check it against the XXH3-64 "
-            "block checksums in .metadata. Exits 0 when everything matches, 1 (with file, item "
-            "and byte range of each problem) on a mismatch, a missing or a truncated file.")
+    p = add("verify", "check every header against .metadata and every checksum",
+            "Verify a checkpoint: check each data file's safetensors header against .metadata "
+            "(every item's dtype, shape and data offsets, and the file's size), then read every "
+            "stored byte and check it against the XXH3-64 block checksums in .metadata. Exits 0 "
+            "when everything matches, 1 (naming the file, the item and what differs) on a "
+            "mismatch, a missing, truncated or unusable file.")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
 

@@ -7,16 +7,16 @@ nothing here is used.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import defaultdict
 
 import torch
 
-try:
-    from cuda.bindings import runtime as cudart
-except ImportError:  # no cuda-python: the CPU paths are used
-    cudart = None
+#: ``cuda.bindings.runtime`` (the optional ``gpu`` extra), imported by :func:`available` only
+#: where torch sees a GPU; None otherwise.
+cudart = None
 
 log = logging.getLogger("dcp_datastates")
 
@@ -24,14 +24,24 @@ log = logging.getLogger("dcp_datastates")
 Copy = tuple[int, int, int, int]
 
 
+@functools.cache
+def _import_cudart() -> bool:
+    global cudart
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:  # no cuda-python: GPU tensors are copied with torch
+        return False
+    return True
+
+
 def available() -> bool:
     """Whether GPU tensors can be copied through cuda-python here."""
-    return cudart is not None and torch.cuda.is_available()
+    return torch.cuda.is_available() and _import_cudart()
 
 
 def why_unavailable() -> str | None:
     """Why a GPU host copies with torch instead (None where cuda-python is used or no GPU)."""
-    if torch.cuda.is_available() and cudart is None:
+    if torch.cuda.is_available() and not _import_cudart():
         return ("cuda-python is not installed; GPU tensors are copied with torch "
                 "(synchronously). pip install cuda-python")
     return None

@@ -12,8 +12,10 @@ header's ``__metadata__`` under ``raw_items``.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +31,8 @@ ESCAPE_PREFIX = "__dcp_datastates_item__"
 LARGE_ITEM_BYTES = 64 << 10
 #: Largest header the reader accepts (safetensors' own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
+#: Bytes read at first to check a data file's header (most headers are much shorter).
+HEAD_BYTES = 64 << 10
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -53,8 +57,7 @@ SAFETENSORS_DTYPES = {
 RAW_PICKLE = "pickle"
 
 
-@dataclass(frozen=True)
-class ItemSpec:
+class ItemSpec(NamedTuple):  # a tuple: made for every item of every save and load, cheaply
     """One item to place: its header name, torch dtype (None for bytes items), shape, size."""
 
     name: str
@@ -141,24 +144,37 @@ def _header_bytes(placements: list[Placement], header_len: int | None) -> bytes:
     for k, p in enumerate(placements):
         spec = p.spec
         if spec is None:
-            entries[f"{PAD_PREFIX}{k}"] = _entry("U8", [p.nbytes], p)
-        elif spec.dtype in SAFETENSORS_DTYPES:
-            key = entry_key(spec.name)
-            entries[key] = _entry(SAFETENSORS_DTYPES[spec.dtype], list(spec.shape), p)
-        else:
-            key = entry_key(spec.name)
+            entries[f"{PAD_PREFIX}{k}"] = _entry("U8", [p.nbytes], p.begin, p.end)
+            continue
+        key, dtype, shape = header_entry(spec)
+        if spec.dtype not in SAFETENSORS_DTYPES:
             raw[key] = RAW_PICKLE if spec.dtype is None else str(spec.dtype)
-            entries[key] = _entry("U8", [p.nbytes], p)
+        entries[key] = _entry(dtype, shape, p.begin, p.end)
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
     if raw:
         meta["raw_items"] = json.dumps(raw, sort_keys=True)
+    return encode_header(meta, entries, ALIGN, header_len)
+
+
+def encode_header(meta: dict[str, str], entries: dict[str, object], align: int,
+                  header_len: int | None = None) -> bytes:
+    """The 8-byte length and the JSON header, padded with spaces so the data starts
+    ``align``-aligned, or at ``header_len`` (a multiple of ``align``) when given."""
     body = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
-    body += b" " * (-(8 + len(body)) % ALIGN)
+    body += b" " * (-(8 + len(body)) % align)
     if header_len is not None:
-        if header_len < 8 + len(body) or header_len % ALIGN:
+        if header_len < 8 + len(body) or header_len % align:
             raise ValueError(f"a header of {8 + len(body)} bytes cannot fill {header_len}")
         body += b" " * (header_len - 8 - len(body))
     return struct.pack("<Q", len(body)) + body
+
+
+def header_entry(spec: ItemSpec) -> tuple[str, str, list[int]]:
+    """An item's header key, safetensors dtype and shape (raw items: ``U8`` bytes)."""
+    dtype = SAFETENSORS_DTYPES.get(spec.dtype)
+    if dtype is None:
+        return entry_key(spec.name), "U8", [spec.nbytes]
+    return entry_key(spec.name), dtype, list(spec.shape)
 
 
 def entry_key(name: str) -> str:
@@ -167,8 +183,58 @@ def entry_key(name: str) -> str:
     return ESCAPE_PREFIX + name if reserved else name
 
 
-def _entry(dtype: str, shape: list[int], p: Placement) -> dict[str, object]:
-    return {"dtype": dtype, "shape": shape, "data_offsets": [p.begin, p.end]}
+def _entry(dtype: str, shape: list[int], begin: int, end: int) -> dict[str, object]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+def export_header(specs: list[ItemSpec], meta: dict[str, str]) -> bytes:
+    """A plain safetensors header for ``specs`` stored back to back in that order."""
+    entries: dict[str, object] = {}
+    begin = 0
+    for spec in specs:
+        key, dtype, shape = header_entry(spec)
+        entries[key] = _entry(dtype, shape, begin, begin + spec.nbytes)
+        begin += spec.nbytes
+    return encode_header(meta, entries, 8)
+
+
+def entry_mismatch(header: dict[str, object], data_start: int, spec: ItemSpec,
+                   offset: int) -> str | None:
+    """How the header's entry for ``spec`` (stored at file ``offset``) differs from what
+    ``.metadata`` says: "dtype 'I32' in the header, 'F32' in .metadata"; None if it agrees."""
+    key, dtype, shape = header_entry(spec)
+    entry = header.get(key)
+    begin = offset - data_start
+    want = _entry(dtype, shape, begin, begin + spec.nbytes)
+    if entry == want:  # the usual case, compared at C speed
+        return None
+    if not isinstance(entry, dict):
+        return f"the header has no entry {key!r}"
+    diffs = [f"{k} {entry.get(k)!r} in the header, {v!r} in .metadata"
+             for k, v in want.items() if entry.get(k) != v]
+    return "; ".join(diffs) or None
+
+
+def size_mismatch(header: dict[str, object], data_start: int, file_size: int) -> str | None:
+    """What is wrong with a file's size, given its header (checked by ``read_header``)."""
+    end = data_start + max((e["data_offsets"][1] for k, e in header.items()
+                            if k != "__metadata__"), default=0)
+    if end == file_size:
+        return None
+    return (f"the file has {file_size} bytes where its header ({data_start} bytes) and the "
+            f"data it describes make {end}")
+
+
+def read_file_header(fd: int, file_size: int, what: str) -> tuple[int, dict[str, object]]:
+    """``read_header`` of an open data file: reads its first bytes, and a long header whole."""
+    head = os.pread(fd, HEAD_BYTES, 0)
+    try:
+        return read_header(head, what, file_size)
+    except CheckpointCorruptError:
+        if len(head) < HEAD_BYTES:
+            raise
+    (n,) = struct.unpack("<Q", head[:8])
+    return read_header(os.pread(fd, 8 + min(n, MAX_HEADER_BYTES), 0), what, file_size)
 
 
 def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, object]]:

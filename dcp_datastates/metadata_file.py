@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import pickle
+import stat
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -20,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .directory import fsync_dir
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointError
 
 METADATA_NAME = ".metadata"
 
@@ -53,15 +56,51 @@ _SAFE_GLOBALS = [
 ]
 
 
+#: DCP's own FileSystemWriter stores each item's location as this class.
+_FILESYSTEM_WRITER_LOCATION = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+
+
+def written_by_datastates(metadata: Metadata) -> NoReturn:
+    """What a plain ``pickle.load`` of our ``.metadata`` calls (``_Sealed``), so DCP's default
+    FileSystemReader fails with this message; ``read_metadata`` returns ``metadata`` instead.
+    Checkpoints name this function: it keeps its module and name."""
+    raise CheckpointError(
+        "this checkpoint was written by dcp_datastates.DataStatesWriter; DCP's default "
+        "FileSystemReader cannot read it: load it with dcp.load(state, checkpoint_id=..., "
+        "storage_reader=dcp_datastates.DataStatesReader())"
+    )
+
+
+class _Sealed:
+    """Pickles as ``written_by_datastates(metadata)``."""
+
+    def __init__(self, metadata: Metadata) -> None:
+        self.metadata = metadata
+
+    def __reduce__(self) -> tuple[object, tuple[Metadata]]:
+        return written_by_datastates, (self.metadata,)
+
+
+def _unseal(metadata: Metadata) -> Metadata:
+    return metadata
+
+
 _ALLOWED = {(c.__module__, c.__qualname__): c for c in _SAFE_GLOBALS} | {
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    (written_by_datastates.__module__, written_by_datastates.__qualname__): _unseal,
 }
+
+
+class _FileSystemWriterCheckpoint(pickle.UnpicklingError):
+    """The metadata holds DCP FileSystemWriter's item locations."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata classes, torch dtypes and sizes, and nothing else."""
 
     def find_class(self, module: str, name: str) -> object:
+        if (module, name) == _FILESYSTEM_WRITER_LOCATION:
+            raise _FileSystemWriterCheckpoint
         allowed = _ALLOWED.get((module, name))
         if allowed is None and module == "torch" and isinstance(getattr(torch, name, None),
                                                                 torch.dtype):
@@ -72,12 +111,39 @@ class _MetadataUnpickler(pickle.Unpickler):
         return allowed
 
 
+def open_regular(path: Path) -> int:
+    """Open a checkpoint file read-only: a regular file only, never through a symbolic link,
+    and without waiting (a FIFO under the name fails here instead of hanging the open).
+
+    Raises ``OSError`` (``FileNotFoundError`` when missing) whose ``strerror`` completes
+    "<file> ...": "is missing", "is a symbolic link ...", "is not a regular file", ...
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        why = {errno.ENOENT: "is missing",
+               errno.ELOOP: "is a symbolic link (checkpoint files are never opened through one)",
+               }.get(exc.errno, f"cannot be opened ({exc.strerror})")
+        raise OSError(exc.errno, why, str(path)) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+            raise OSError(errno.EINVAL, f"is not a regular file ({kind})", str(path))
+        os.set_blocking(fd, True)  # io_uring would answer EAGAIN on an O_NONBLOCK file
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
     """Write ``directory/.metadata`` atomically: a temp name unique to the save (``token``),
     fsync, rename, fsync the directory."""
     if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
         metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
-    data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    data = pickle.dumps(_Sealed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
     final = directory / METADATA_NAME
     tmp = directory / f"{METADATA_NAME}.tmp.{token}"
     try:
@@ -95,13 +161,17 @@ def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
 def read_metadata(directory: Path) -> Metadata:
     """Load ``directory/.metadata``, allowing only DCP's metadata classes (no arbitrary pickle)."""
     path = directory / METADATA_NAME
-    if not path.is_file():
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
         raise FileNotFoundError(
             f"{directory} is not a checkpoint: {METADATA_NAME} is missing (an unfinished or "
             f"failed save leaves none)"
-        )
+        ) from None
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path} {exc.strerror}") from None
     try:
-        with open(path, "rb") as f:
+        with open(fd, "rb") as f:
             head = f.read(2)
             f.seek(0)
             if head == b"PK":  # written by torch.save (dcp_datastates 0.1.0)
@@ -109,6 +179,12 @@ def read_metadata(directory: Path) -> Metadata:
                     metadata = torch.load(f, weights_only=True)
             else:
                 metadata = _MetadataUnpickler(f).load()
+    except _FileSystemWriterCheckpoint:
+        raise CheckpointError(
+            f"{directory} is a DCP FileSystemWriter checkpoint (dcp.save without a "
+            f"storage_writer), not a DataStatesWriter one: load it with "
+            f"torch.distributed.checkpoint.FileSystemReader (dcp.load without storage_reader=)"
+        ) from None
     except Exception as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         first = lines[0] if lines else ""
@@ -116,8 +192,7 @@ def read_metadata(directory: Path) -> Metadata:
         raise CheckpointCorruptError(
             f"{path}: cannot read checkpoint metadata ({why or type(exc).__name__}). It is read "
             f"without running pickled code, allowing only DCP's metadata classes: was this "
-            f"checkpoint written by another storage writer (e.g. FileSystemWriter), or is the "
-            f"file damaged?"
+            f"checkpoint written by another storage writer, or is the file damaged?"
         ) from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -97,7 +99,7 @@ def test_inspect_json(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert items["model.ids"]["dtype"] == "int64" and items["model.ids"]["shape"] == [10]
     assert items["step"]["kind"] == "bytes" and items["step"]["shape"] is None
     (f,) = data["files"]
-    assert f["name"] == _data_file(ckpt).name and f["items"] == 5
+    assert f["name"] == _data_file(ckpt).name and f["items"] == 5 and f["problem"] is None
     assert f["size"] == _data_file(ckpt).stat().st_size
     assert data["totals"]["items"] == 5 and data["totals"]["tensors"] == 4
 
@@ -138,32 +140,162 @@ def test_verify_truncated_and_missing(
     f.unlink()
     code, _, err = _main(capsys, "verify", "-q", str(bad))
     assert code == 1
-    assert f"file {f.name}" in err and "missing" in err
+    assert f"file {f.name} is missing (5 stored chunks live there)" in err
 
 
-def test_verify_refuses_a_symlinked_data_file(
-    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+# -- files that are not regular files -----------------------------------------------------------
+def _plant(directory: Path, name: str, kind: str, outside: Path) -> Path:
+    """Replace ``directory/name`` with a FIFO, or a link to a copy of it in ``outside``."""
+    target = directory / name
+    target.rename(outside / name)
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to(outside / name)
+    return target
+
+
+def _main_promptly(capsys: pytest.CaptureFixture[str], planted: Path,
+                   *args: str) -> tuple[int, str, str]:
+    """``_main``, failing (not hanging) if the command waits on the FIFO ``planted``."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_main, capsys, *args)
+        try:
+            return future.result(timeout=60)
+        finally:
+            if not future.done():  # a regression: open the FIFO's ends to free the command
+                r = os.open(planted, os.O_RDONLY | os.O_NONBLOCK)
+                os.close(os.open(planted, os.O_WRONLY | os.O_NONBLOCK))
+                os.close(r)
+
+
+WHY = {"fifo": "is not a regular file (a FIFO, device or socket)",
+       "symlink": "is a symbolic link (checkpoint files are never opened through one)"}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+@pytest.mark.parametrize("command", ["inspect", "verify", "export"])
+def test_metadata_that_is_not_a_regular_file_is_refused(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, kind: str
 ) -> None:
-    """verify agrees with a load, which refuses a link planted under a data file's name."""
+    """Refused at once: a FIFO is not waited on, a link (here, to an intact copy of the very
+    file, outside the checkpoint) is not followed."""
     bad = _copy(ckpt, tmp_path / "bad")
-    f = _data_file(bad)
-    f.rename(tmp_path / "elsewhere")
-    f.symlink_to(tmp_path / "elsewhere")
-    code, _, err = _main(capsys, "verify", "-q", str(bad))
-    assert code == 1 and f"file {f.name}" in err
+    planted = _plant(bad, ".metadata", kind, tmp_path)
+    args = [str(tmp_path / "hf")] if command == "export" else []
+    code, out, err = _main_promptly(capsys, planted, command, str(bad), *args)
+    assert code == 1, out
+    assert f"error: {planted} {WHY[kind]}" in err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_data_file_that_is_not_a_regular_file_is_refused(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    bad = _copy(ckpt, tmp_path / "bad")
+    planted = _plant(bad, _data_file(bad).name, kind, tmp_path)
+    code, _, err = _main_promptly(capsys, planted, "verify", "-q", str(bad))
+    assert code == 1
+    assert f"file {planted.name} {WHY[kind]} (5 stored chunks live there)" in err
+    code, _, err = _main_promptly(capsys, planted, "export", "-q", str(bad), str(tmp_path / "hf"))
+    assert code == 1
+    assert f"file {planted.name}, item 'model." in err
+    assert f"the data file {WHY[kind]}" in err
+    code, out, err = _main_promptly(capsys, planted, "inspect", str(bad))
+    assert code == 0 and "model.w" in out  # the listing comes from .metadata; the file is flagged
+    assert f"warning: data file {planted.name} {WHY[kind]}" in err
+
+
+def test_paths_expand_home(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``~`` in PATH and OUT is the home directory (quoted, a shell leaves it to us)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    _copy(ckpt, home / "ckpt")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    code, out, err = _main(capsys, "inspect", "~/ckpt")
+    assert code == 0 and "model.w" in out, err
+    code, _, err = _main(capsys, "export", "-q", "~/ckpt", "~/hf", "--prefix", "model.")
+    assert code == 0, err
+    _assert_exported([home / "hf" / "model.safetensors"], _state()["model"])
+    assert not any(work.iterdir())  # no literal "./~"
 
 
 # -- export -------------------------------------------------------------------------------------
+def _assert_exported(files: list[Path], expected: dict[str, torch.Tensor]) -> None:
+    """The safetensors files hold exactly ``expected``, bit for bit."""
+    got: dict[str, torch.Tensor] = {}
+    for f in files:
+        got |= load_file(f)
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+_WITHOUT_NUMPY = """
+import importlib.abc, sys
+class _NoNumpy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "numpy":
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+sys.meta_path.insert(0, _NoNumpy())
+from dcp_datastates.cli import main
+code = main(sys.argv[1:])
+assert "numpy" not in sys.modules
+sys.exit(code)
+"""
+
+
+def test_export_without_numpy(ckpt: Path, tmp_path: Path) -> None:
+    """numpy is no dependency: export writes the safetensors files itself."""
+    out = tmp_path / "hf"
+    res = subprocess.run([sys.executable, "-c", _WITHOUT_NUMPY, "export", "-q", str(ckpt),
+                          str(out), "--prefix", "model.", "--max-shard-size", "4KiB"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "exported 3 tensors" in res.stdout
+    _assert_exported(sorted(out.glob("*.safetensors")), _state()["model"])
+
+
+@pytest.mark.parametrize("inside", ["child", "itself", "through a link"])
+def test_export_refuses_an_output_inside_the_checkpoint(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], inside: str
+) -> None:
+    (tmp_path / "link").symlink_to(ckpt)
+    out = {"child": ckpt / "hf", "itself": ckpt / "sub" / "..",
+           "through a link": tmp_path / "link" / "hf"}[inside]
+    before = sorted(p.name for p in ckpt.iterdir())
+    code, _, err = _main(capsys, "export", str(ckpt), str(out))
+    assert code == 1
+    assert f"error: output directory {out} is inside the checkpoint directory {ckpt}" in err
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_export_replaces_what_sits_at_an_output_name(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO (or a link) at the output file's name is replaced, never written through."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    os.mkfifo(out / "model.safetensors")
+    code, _, err = _main_promptly(capsys, out / "model.safetensors", "export", "-q", str(ckpt),
+                                  str(out), "--prefix", "model.")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    _assert_exported([out / "model.safetensors"], _state()["model"])
+
+
 def test_export_single_file(ckpt: Path, tmp_path: Path) -> None:
     res = _run("export", str(ckpt), str(tmp_path / "hf"), "--prefix", "model.")
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
-    got = load_file(tmp_path / "hf" / "model.safetensors")
-    state = _state()["model"]
-    assert set(got) == set(state)
-    for k, v in state.items():
-        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8),
-                                                       v.view(torch.uint8))
+    _assert_exported([tmp_path / "hf" / "model.safetensors"], _state()["model"])
 
 
 def test_export_skips_and_shards(

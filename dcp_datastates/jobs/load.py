@@ -11,8 +11,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import stat
-import struct
 import time
 from collections import defaultdict
 from concurrent.futures import Future
@@ -20,17 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ..checksums import memory_at, verify_span
 from ..directory import memory_backed
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..file_format import read_header
+from ..file_format import ItemSpec, entry_mismatch, read_file_header, size_mismatch
 from ..host_cache import Lease, round_up
 from ..io.base import ALIGN, IOBackend, IOReq
-from ..metadata_file import ItemLocation, metadata_stamp
+from ..metadata_file import ItemLocation, metadata_stamp, open_regular
 from ..stats import LoadStats
+from .save import entry_name
 
 #: Items (whole stored chunks) smaller than this are read together with their neighbours.
 SMALL_ITEM_BYTES = 1 << 20
@@ -45,7 +44,7 @@ class _Small:
     req: ReadItem
     loc: ItemLocation
     target: torch.Tensor | None
-    view: tuple[int, int] | None = None  # item bytes [a, b) the target takes, if a tensor
+    spec: ItemSpec
 
 
 class LoadJob:
@@ -75,19 +74,20 @@ class LoadJob:
             for req in plan.items:
                 loc = self._location(req)
                 f = files.open(loc, req)
+                spec = self._checked_spec(f, loc, req)
                 if req.type == LoadItemType.BYTE_IO:
                     if loc.length < small_max:
-                        small[loc.file].append(_Small(req, loc, None))
+                        small[loc.file].append(_Small(req, loc, None, spec))
                     else:
                         jobs.append((req, None, self.engine.submit(
                             self._read_bytes, backend, f, loc, req)))
                     continue
                 target = planner.resolve_tensor(req).detach()
                 if loc.length < small_max and not target.is_cuda:
-                    small[loc.file].append(_Small(req, loc, target))
+                    small[loc.file].append(_Small(req, loc, target, spec))
                     continue
                 jobs.append((req, target, self.engine.submit(
-                    self._read_tensor, backend, f, loc, req, target)))
+                    self._read_tensor, backend, f, loc, req, target, spec)))
             for name, items in small.items():
                 for group in _spans(items, min(SPAN_BYTES, room)):
                     spans.append(self.engine.submit(self._read_span, files.get(name), group))
@@ -128,8 +128,6 @@ class LoadJob:
                     f"checkpoint {self.directory}, file {items[0].loc.file}: {exc}") from exc
             out = []
             for item in items:
-                if item.target is not None:
-                    self._tensor_md(item.loc, item.req)  # a wrong length is named as such
                 a = item.loc.offset - lo
                 mem = memory_at(lease.addr + a, item.loc.length) if item.loc.length else b""
                 if self.verify_checksums:
@@ -146,26 +144,24 @@ class LoadJob:
 
     def _fill(self, item: _Small, data: torch.Tensor) -> None:
         """Copy the requested part of a whole stored chunk (``data``, uint8) into the target."""
-        md, shape, dtype = self._tensor_md(item.loc, item.req)
+        shape, dtype = item.spec.shape, item.spec.dtype
         view = data.view(dtype).view(shape) if data.numel() else torch.empty(shape, dtype=dtype)
         for dim, (o, n) in enumerate(zip(item.req.storage_offsets, item.req.lengths,
                                          strict=True)):
             view = view.narrow(dim, o, n)
         item.target.copy_(view)
 
-    def _tensor_md(self, loc: ItemLocation, req: ReadItem
-                   ) -> tuple[TensorStorageMetadata, tuple[int, ...], torch.dtype]:
-        md = self.metadata.state_dict_metadata.get(req.storage_index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointCorruptError(f"{self._describe(loc, req)}: not a tensor in .metadata")
-        shape = _chunk_shape(md, req, self._describe(loc, req))
-        dtype = md.properties.dtype
-        if math.prod(shape) * dtype.itemsize != loc.length:
+    def _checked_spec(self, f: _File, loc: ItemLocation, req: ReadItem) -> ItemSpec:
+        """The item as ``.metadata`` describes it, after checking that the data file's header
+        says the same (dtype, shape, data offsets)."""
+        spec = stored_spec(self.metadata, req.storage_index, loc,
+                           req.type != LoadItemType.BYTE_IO, self._describe(loc, req))
+        why = entry_mismatch(f.header, f.data_start, spec, loc.offset)
+        if why is not None:
             raise CheckpointCorruptError(
-                f"{self._describe(loc, req)}: {loc.length} bytes stored for a {dtype} chunk of "
-                f"shape {list(shape)}"
-            )
-        return md, shape, dtype
+                f"{self._describe(loc, req)}: the data file's header does not match .metadata: "
+                f"{why}")
+        return spec
 
     def _location(self, req: ReadItem) -> ItemLocation:
         assert self.metadata is not None, "read_data before set_up_storage_reader"
@@ -213,8 +209,8 @@ class LoadJob:
         return bytes(memory_at(buf.data_ptr(), buf.numel())) if buf.numel() else b""
 
     def _read_tensor(self, backend: IOBackend, f: _File, loc: ItemLocation, req: ReadItem,
-                     target: torch.Tensor) -> None:
-        _, shape, dtype = self._tensor_md(loc, req)
+                     target: torch.Tensor, spec: ItemSpec) -> None:
+        shape, dtype = spec.shape, spec.dtype
         itemsize = dtype.itemsize
         offsets, lengths = list(req.storage_offsets), list(req.lengths)
         row = math.prod(shape[1:]) * itemsize
@@ -303,20 +299,20 @@ def _spans(items: list[_Small], limit: int) -> list[list[_Small]]:
     return groups
 
 
-#: Bytes read at first to check a data file's header (most headers are much shorter).
-HEAD_BYTES = 64 << 10
-
 @dataclass
 class _File:
-    """An open data file: a buffered descriptor, its size, and an O_DIRECT one where usable."""
+    """An open data file: a buffered descriptor, its size, an O_DIRECT one where usable, and
+    its header (read once)."""
 
     fd: int
     size: int
     direct_fd: int | None
+    data_start: int
+    header: dict[str, object]
 
 
 class _OpenFiles:
-    """Data files opened once per read, with their sizes checked against each item."""
+    """Data files opened once per read, each header read once, sizes checked for each item."""
 
     def __init__(self, directory: Path, direct: bool, stamp: tuple | None) -> None:
         self.directory = directory
@@ -326,42 +322,7 @@ class _OpenFiles:
 
     def open(self, loc: ItemLocation, req: ReadItem) -> _File:
         if loc.file not in self._files:
-            path = self.directory / loc.file
-            try:
-                # O_NONBLOCK: a FIFO planted under a data file's name must not hang the open
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                if self._superseded():
-                    raise CheckpointError(
-                        f"checkpoint {self.directory} was replaced by a newer save while this "
-                        f"load read it (its data file {loc.file} is gone); load it again"
-                    ) from None
-                raise CheckpointCorruptError(
-                    f"checkpoint {self.directory}: data file {loc.file} is missing (item "
-                    f"{req.storage_index.fqn!r} lives there)"
-                ) from None
-            except OSError as exc:  # a directory, unreadable, ...: not a usable data file
-                raise CheckpointCorruptError(
-                    f"checkpoint {self.directory}: cannot open data file {loc.file} (item "
-                    f"{req.storage_index.fqn!r} lives there): {exc}"
-                ) from exc
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                os.close(fd)
-                raise CheckpointCorruptError(
-                    f"checkpoint {self.directory}: data file {loc.file} is not a regular file "
-                    f"(item {req.storage_index.fqn!r} lives there)"
-                )
-            os.set_blocking(fd, True)  # io_uring would answer EAGAIN on an O_NONBLOCK file
-            self._check_header(fd, st.st_size, loc, req)
-            direct_fd = None
-            if self.direct and not memory_backed(self.directory):
-                try:
-                    direct_fd = os.open(
-                        path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
-                except OSError:
-                    direct_fd = None  # the file system refuses O_DIRECT: buffered reads only
-            self._files[loc.file] = _File(fd, st.st_size, direct_fd)
+            self._files[loc.file] = self._open(loc, req)
         file = self._files[loc.file]
         if loc.offset + loc.length > file.size:
             raise CheckpointCorruptError(
@@ -371,24 +332,38 @@ class _OpenFiles:
             )
         return file
 
-    def _check_header(self, fd: int, size: int, loc: ItemLocation, req: ReadItem) -> None:
-        """Refuse a data file whose safetensors header is malformed, or shorter than ``loc``."""
+    def _open(self, loc: ItemLocation, req: ReadItem) -> _File:
+        """Open a data file and check its header and size."""
+        path = self.directory / loc.file
         what = f"checkpoint {self.directory}: data file {loc.file}"
-        head = os.pread(fd, HEAD_BYTES, 0)
         try:
-            try:
-                data_start, _ = read_header(head, what, size)
-            except CheckpointCorruptError:
-                if len(head) < HEAD_BYTES:
-                    raise
-                (n,) = struct.unpack("<Q", head[:8])  # a long header: read all of it once
-                data_start, _ = read_header(os.pread(fd, 8 + min(n, size), 0), what, size)
-        except CheckpointCorruptError:
+            fd = open_regular(path)
+        except FileNotFoundError:
+            if self._superseded():
+                raise CheckpointError(
+                    f"checkpoint {self.directory} was replaced by a newer save while this "
+                    f"load read it (its data file {loc.file} is gone); load it again"
+                ) from None
+            raise CheckpointCorruptError(
+                f"{what} is missing (item {req.storage_index.fqn!r} lives there)") from None
+        except OSError as exc:  # a directory, a FIFO, a link, unreadable, ...
+            raise CheckpointCorruptError(
+                f"{what} {exc.strerror} (item {req.storage_index.fqn!r} lives there)") from None
+        try:
+            size = os.fstat(fd).st_size
+            data_start, header = read_file_header(fd, size, what)
+            if (why := size_mismatch(header, data_start, size)) is not None:
+                raise CheckpointCorruptError(f"{what}: {why}")
+        except BaseException:
             os.close(fd)
             raise
-        if loc.offset < data_start:
-            os.close(fd)
-            raise CheckpointCorruptError(f"{what}: offset {loc.offset} lies inside the header")
+        direct_fd = None
+        if self.direct and not memory_backed(self.directory):
+            try:
+                direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
+            except OSError:
+                direct_fd = None  # the file system refuses O_DIRECT: buffered reads only
+        return _File(fd, size, direct_fd, data_start, header)
 
     def _superseded(self) -> bool:
         """Whether a commit replaced the ``.metadata`` this load read."""
@@ -409,12 +384,27 @@ def _bytes(n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8)
 
 
-def _chunk_shape(md: TensorStorageMetadata, req: ReadItem, what: str) -> tuple[int, ...]:
-    offset = req.storage_index.offset
-    for chunk in md.chunks:
-        if offset is None or tuple(chunk.offsets) == tuple(offset):
-            return tuple(chunk.sizes)
-    raise CheckpointCorruptError(f"{what}: no stored chunk at offsets {offset}")
+def stored_spec(metadata: Metadata, index: MetadataIndex, loc: ItemLocation, tensor: bool,
+                what: str) -> ItemSpec:
+    """A stored item (a tensor chunk, or bytes) as ``.metadata`` describes it: its data file
+    entry name, dtype, shape and bytes. Raises ``CheckpointCorruptError`` naming ``what``
+    where ``.metadata`` contradicts itself."""
+    name = entry_name(index)
+    if not tensor:
+        return ItemSpec(name, None, (loc.length,), loc.length)
+    md = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        raise CheckpointCorruptError(f"{what}: not a tensor in .metadata")
+    offset = None if index.offset is None else tuple(index.offset)
+    shape = next((tuple(c.sizes) for c in md.chunks if offset is None or c.offsets == offset),
+                 None)
+    if shape is None:
+        raise CheckpointCorruptError(f"{what}: no stored chunk at offsets {index.offset}")
+    dtype = md.properties.dtype
+    if math.prod(shape) * dtype.itemsize != loc.length:
+        raise CheckpointCorruptError(
+            f"{what}: {loc.length} bytes stored for a {dtype} chunk of shape {list(shape)}")
+    return ItemSpec(name, dtype, shape, loc.length)
 
 
 def check_locations(directory: Path, metadata: Metadata) -> None:

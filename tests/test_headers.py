@@ -1,0 +1,117 @@
+"""A data file whose safetensors header disagrees with `.metadata`: `verify` and a load both
+refuse it, naming the file, the item and what differs."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MARKS, clone_state, data_files, load_into, raises_in_dcp, rand_tensor, save
+from safetensors import safe_open
+
+from dcp_datastates import CheckpointCorruptError, cli
+
+pytestmark = MARKS
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path, make_writer) -> tuple[Path, Path, dict]:
+    """(directory, its data file, the saved state)."""
+    directory = tmp_path / "ckpt"
+    state = {"w": rand_tensor((300, 257), torch.float32, seed=1),
+             "b": rand_tensor((257,), torch.bfloat16, seed=2), "cfg": {"lr": 0.1}}
+    expected = clone_state(state)
+    save(state, directory, make_writer())
+    (file,) = data_files(directory)
+    return directory, file, expected
+
+
+def _edit_header(file: Path, key: str, edit: Callable[[dict], None]) -> None:
+    """Apply ``edit`` to the header entry ``key``, keeping the header's length (JSON allows
+    the trailing spaces that pad it)."""
+    raw = bytearray(file.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header[key])
+    body = json.dumps(header, separators=(",", ":")).encode()
+    assert len(body) <= n
+    raw[8 : 8 + n] = body.ljust(n)
+    file.write_bytes(raw)
+
+
+def _shift(entry: dict) -> None:
+    entry["data_offsets"] = [o + 4 for o in entry["data_offsets"]]
+
+
+W_BYTES = 300 * 257 * 4
+EDITS = {  # edit of w's entry -> what the error says differs
+    "dtype": (lambda e: e.update(dtype="I32"), "dtype 'I32' in the header, 'F32' in .metadata"),
+    "shape": (lambda e: e.update(shape=[257, 300]),
+              "shape [257, 300] in the header, [300, 257] in .metadata"),
+    "offsets": (_shift, f"data_offsets [4, {W_BYTES + 4}] in the header, [0, {W_BYTES}] in "
+                        f".metadata"),
+}
+
+
+def _verify(directory: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = cli.main(["verify", "-q", str(directory)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", EDITS)
+def test_edited_header_entry_is_caught(
+    checkpoint, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """The data bytes are untouched (their checksums still match): only the header lies."""
+    directory, file, expected = checkpoint
+    edit, diff = EDITS[what]
+    _edit_header(file, "w", edit)
+    if what == "dtype":  # what another safetensors reader would now hand out
+        with safe_open(file, "pt") as f:
+            assert f.get_tensor("w").dtype == torch.int32
+    code, err = _verify(directory, capsys)
+    assert code == 1, err
+    assert f"file {file.name}, item 'w' (chunk at [0, 0]): header does not match .metadata: " \
+           f"{diff}" in err
+    assert "checksum" not in err and "'b'" not in err  # only what differs is named
+    for verify in (True, False):
+        with raises_in_dcp(
+            CheckpointCorruptError,
+            rf"checkpoint {re.escape(str(directory))}, file {re.escape(file.name)}, item 'w': "
+            rf"the data file's header does not match \.metadata: {re.escape(diff)}",
+        ):
+            load_into(expected, directory, verify_checksums=verify)
+
+
+def test_renamed_header_entry_is_caught(checkpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    directory, file, expected = checkpoint
+    raw = file.read_bytes()
+    assert raw.count(b'"b":') == 1
+    file.write_bytes(raw.replace(b'"b":', b'"z":'))
+    code, err = _verify(directory, capsys)
+    assert code == 1
+    assert f"file {file.name}, item 'b' (chunk at [0]): header does not match .metadata: the " \
+           f"header has no entry 'b'" in err
+    assert f"file {file.name}: the header has an entry 'z' that .metadata does not list" in err
+    with raises_in_dcp(CheckpointCorruptError, r"item 'b': .*the header has no entry 'b'"):
+        load_into(expected, directory)
+
+
+def test_file_longer_than_its_header_says(checkpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    directory, file, expected = checkpoint
+    size = file.stat().st_size
+    with file.open("ab") as f:
+        f.write(b"\0" * 100)
+    (n,) = struct.unpack("<Q", file.read_bytes()[:8])
+    why = (f"the file has {size + 100} bytes where its header ({8 + n} bytes) and the data it "
+           f"describes make {size}")
+    code, err = _verify(directory, capsys)
+    assert code == 1 and f"file {file.name}: {why}" in err
+    with raises_in_dcp(CheckpointCorruptError,
+                       rf"data file {re.escape(file.name)}: {re.escape(why)}"):
+        load_into(expected, directory)
