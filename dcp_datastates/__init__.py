@@ -9,15 +9,18 @@ from .errors import CheckpointCorruptError, CheckpointError
 from .guard import guard
 from .reader import DataStatesReader
 from .sizes import parse_size
+from .tiers import CheckpointManager, TierFullError
 from .writer import DataStatesWriter
 
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointManager",
     "DataStatesReader",
     "DataStatesWriter",
     "Engine",
     "default_engine",
     "guard",
     "parse_size",
+    "TierFullError",
 ]

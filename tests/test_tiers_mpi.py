@@ -1,0 +1,377 @@
+"""Checkpoint tiers across ranks: peer replicas, which step every rank can restore, and the
+job-wide durable checkpoint that persists assemble from the ranks' parts.
+
+Each rank has its own memory tier under /dev/shm (it stands for a node's); the durable tier is
+a directory every rank sees. Run under MPI (plain ``pytest tests`` skips these), with -n 2 and
+with -n 4::
+
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
+        mpirun -n 2 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \\
+        tests/test_tiers_mpi.py
+
+A rank that finds a problem reports it through ``agree``, so every rank fails together instead
+of leaving the others blocked in a collective of the managers.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import mpi_util
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal, blank_like, rand_tensor
+from mpi_util import World, agree, broadcast_object, collecting
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from dcp_datastates import CheckpointManager, DataStatesReader, Engine, TierFullError
+
+pytestmark = [
+    pytest.mark.mpi,
+    # every memory-tier save and load is a one-process DCP call (no_dist=True)
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+world = mpi_util.world
+shared = mpi_util.shared
+
+
+@pytest.fixture
+def nodes(world: World) -> Iterator[Path]:
+    """A /dev/shm directory for the test: rank r's memory tier is ``node_<r>`` in it."""
+    path = tempfile.mkdtemp(prefix="dcp_tiers_mpi_", dir="/dev/shm") if world.rank == 0 else None
+    path = Path(broadcast_object(path))
+    try:
+        yield path
+    finally:
+        try:
+            dist.barrier()
+        finally:  # removed also when a failed test broke the group
+            if world.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def engine(world: World) -> Iterator[Engine]:
+    made = Engine(host_cache_size="8MiB", io_backend="threads", io_workers=2)
+    yield made
+    leases = made.live_leases()
+    made.close()
+    assert leases == 0, f"rank {world.rank}: {leases} lease(s) still held after the test"
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    return caplog
+
+
+def restored_from(caplog: pytest.LogCaptureFixture, step: int) -> list[str]:
+    pat = re.compile(rf"restored step {step} from the (\w+) tier")
+    return [m.group(1) for r in caplog.records if (m := pat.search(r.getMessage()))]
+
+
+def committed_steps(root: Path) -> list[int]:
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.iterdir()
+                  if re.fullmatch(r"step_\d+", p.name) and (p / ".metadata").is_file())
+
+
+# -- states --------------------------------------------------------------------------------------
+def rank_state(rank: int, step: int) -> dict:
+    """Rank ``rank``'s state at ``step``: tensors and values under names of its own, a tensor
+    every rank holds alike (replicated) and a value every rank holds alike."""
+    return {
+        f"rank{rank}": {"w": rand_tensor((16 + rank, 8), torch.float32, 1000 * step + rank),
+                        "n": torch.tensor(10 * step + rank, dtype=torch.int64),
+                        "tag": f"rank {rank} at {step}"},
+        "shared": {"emb": rand_tensor((10, 4), torch.bfloat16, step)},
+        "extra": {"step": step},
+    }
+
+
+def full_sharded(step: int, world_size: int) -> torch.Tensor:
+    """The full value of a tensor sharded over the ranks (rows; uneven over 2 and 4 ranks)."""
+    return rand_tensor((4 * world_size + 3, 6), torch.float32, 7000 + step)
+
+
+def error_of(call: Callable[[], object]) -> Exception | None:
+    """What ``call()`` raised (None: nothing); so that ranks go on together either way."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the caller checks it
+        return exc
+    return None
+
+
+def check(errors: list[str], what: str, actual: object, expected: object) -> None:
+    with collecting(errors, what):
+        assert_state_equal(actual, expected)
+
+
+# -- (a) peer replicas ---------------------------------------------------------------------------
+def test_replica_restores_a_lost_node_memory(world: World, nodes: Path, engine: Engine,
+                                             logs) -> None:
+    """replicate=True: rank 1 loses its whole memory tier (its node died); new managers restore
+    the newest step, rank 1's copy sent back from the peer that held its replica."""
+    mine = nodes / f"node_{world.rank}"
+    holder = (1 + 1) % world.size  # keeps rank 1's replicas
+    errors: list[str] = []
+    with CheckpointManager(None, memory_dir=mine, replicate=True, keep_memory=2,
+                           engine=engine) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, rank_state(world.rank, step))
+        manager.wait()
+    prev = (world.rank - 1) % world.size
+    replicas = mine / "replicas" / f"rank_{prev}"
+    if committed_steps(replicas) != [2, 3]:
+        errors.append(f"replicas of rank {prev}: {committed_steps(replicas)}, expected [2, 3]")
+    if committed_steps(mine) != [2, 3]:
+        errors.append(f"own memory tier: {committed_steps(mine)}")
+    agree(errors, "replicas after three saves (keep_memory=2)")
+
+    dist.barrier()
+    if world.rank == 1:
+        shutil.rmtree(mine)
+    dist.barrier()
+
+    with CheckpointManager(None, memory_dir=mine, replicate=True, engine=engine) as manager:
+        out = blank_like(rank_state(world.rank, 3))
+        step = manager.load(out)
+        with collecting(errors, "restore"):
+            assert step == 3
+            assert_state_equal(out, rank_state(world.rank, 3))
+            assert restored_from(logs, 3) == ["memory"]
+            sent_back = [r.getMessage() for r in logs.records
+                         if "replica" in r.getMessage() and "restored into" in r.getMessage()]
+            if world.rank == 1:
+                assert committed_steps(mine) == [3], "rank 1's memory tier was refilled"
+                assert sent_back == [f"dcp_datastates: step 3 of rank 1 restored into {mine} "
+                                     f"from rank {holder}'s replica"], sent_back
+            else:
+                assert sent_back == []
+        # an older step that only replicas of rank 1 hold, asked for
+        out = blank_like(rank_state(world.rank, 2))
+        with collecting(errors, "restore of step 2"):
+            assert manager.load(out, step=2) == 2
+            assert_state_equal(out, rank_state(world.rank, 2))
+    agree(errors, f"restore from a peer's replica on {world.size} ranks")
+
+
+# -- (b) the newest step every rank can restore --------------------------------------------------
+def test_latest_step_is_complete_on_every_rank(world: World, nodes: Path, shared: Path,
+                                               engine: Engine, logs) -> None:
+    """Step 3 lost on rank 1 (no replicas): every rank takes step 2. Then step 2 lost on rank 1
+    too, but persisted: every rank takes step 2, rank 1 from the durable tier."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "durable"
+    errors: list[str] = []
+    with CheckpointManager(durable, memory_dir=mine, persist=None, keep_memory=3,
+                           engine=engine) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, rank_state(world.rank, step))
+        manager.wait()
+        assert manager.latest_step() == 3
+        dist.barrier()
+        if world.rank == 1:
+            shutil.rmtree(mine / "step_3")
+        dist.barrier()
+        latest = manager.latest_step()
+        out = blank_like(rank_state(world.rank, 2))
+        loaded = manager.load(out)
+        with collecting(errors, "step 3 lost on rank 1"):
+            assert (latest, loaded) == (2, 2)
+            assert_state_equal(out, rank_state(world.rank, 2))
+            assert restored_from(logs, 2) == ["memory"]
+    assert committed_steps(durable) == [], "persist=None"
+    agree(errors, "latest step with a step missing on one rank")
+
+    # a manager that persists: its first act is to persist step 2 (the newest step every rank
+    # holds in memory), as a new process after a crash does
+    with CheckpointManager(durable, memory_dir=mine, keep_memory=3, engine=engine) as manager:
+        manager.wait()
+        dist.barrier()  # the rank that completes the parts commits: all must have waited
+        with collecting(errors, "persist of the leftover step"):
+            assert committed_steps(durable) == [2]
+        dist.barrier()
+        if world.rank == 1:
+            shutil.rmtree(mine / "step_2")
+        dist.barrier()
+        latest = manager.latest_step()
+        out = blank_like(rank_state(world.rank, 2))
+        loaded = manager.load(out)
+        with collecting(errors, "step 2 from memory and durable"):
+            assert (latest, loaded) == (2, 2)
+            assert_state_equal(out, rank_state(world.rank, 2))
+            tiers = restored_from(logs, 2)
+            assert tiers == ["memory", "durable" if world.rank == 1 else "memory"], tiers
+    agree(errors, "latest step with the durable tier")
+
+
+# -- (c) the job-wide durable checkpoint ---------------------------------------------------------
+def sharded_rank_state(rank: int, step: int, mesh) -> dict:
+    state = rank_state(rank, step)
+    state["sharded"] = {"w": distribute_tensor(full_sharded(step, mesh.size()), mesh, [Shard(0)])}
+    return state
+
+
+def test_persisted_checkpoint_loads_without_the_manager(world: World, nodes: Path,
+                                                        shared: Path, engine: Engine) -> None:
+    """Persists on every rank make one DCP checkpoint of the job: a plain multi-rank dcp.load
+    with DataStatesReader reads it (a DTensor saved as row shards loads as column shards and
+    replicated), and so does one process reading every rank's items."""
+    mesh = init_device_mesh("cpu", (world.size,))
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "durable"
+    errors: list[str] = []
+    with CheckpointManager(durable, memory_dir=mine, persist=1, engine=engine) as manager:
+        for step in (1, 2):
+            manager.save(step, sharded_rank_state(world.rank, step, mesh))
+            manager.wait()
+        # the memory tier restores the DTensor shard too
+        out = sharded_rank_state(world.rank, 0, mesh)
+        assert manager.load(out) == 2
+        with collecting(errors, "memory-tier load with a DTensor"):
+            assert isinstance(out["sharded"]["w"], DTensor)
+            full = out["sharded"]["w"].full_tensor()
+            expected = rank_state(world.rank, 2)
+            out["sharded"] = {"w": full}
+            expected["sharded"] = {"w": full_sharded(2, world.size)}
+            assert_state_equal(out, expected)
+    agree(errors, "manager saves")
+    checkpoint = durable / "step_2"
+    with collecting(errors, "durable tier"):
+        assert committed_steps(durable) == [1, 2]
+        names = sorted(p.name for p in checkpoint.iterdir())
+        assert not [n for n in names if n.startswith(".part.")], names
+        assert len([n for n in names if n.endswith(".safetensors")]) == world.size, names
+
+    # every rank, plain DCP: its own items, the replicated ones, and the DTensor resharded
+    full = full_sharded(2, world.size)
+    for placement in (Shard(1), Replicate()):
+        target = rank_state(world.rank, 0)
+        target = blank_like(target)
+        target["sharded"] = {"w": distribute_tensor(torch.zeros_like(full), mesh, [placement])}
+        dcp.load(target, checkpoint_id=checkpoint, storage_reader=DataStatesReader(engine=engine))
+        got = target["sharded"]["w"].full_tensor()
+        target["sharded"] = {"w": got}
+        expected = rank_state(world.rank, 2)
+        expected["sharded"] = {"w": full}
+        check(errors, f"multi-rank load ({placement})", target, expected)
+
+    # one process (rank 0), no collectives: every rank's items and the full DTensor
+    if world.rank == 0:
+        expected = {k: v for r in range(world.size) for k, v in rank_state(r, 2).items()}
+        expected["sharded"] = {"w": full}
+        target = blank_like(expected)
+        dcp.load(target, checkpoint_id=checkpoint, storage_reader=DataStatesReader(engine=engine),
+                 no_dist=True)
+        check(errors, "one-process load of every rank's items", target, expected)
+    agree(errors, f"job-wide durable checkpoint of {world.size} ranks")
+
+
+# -- memory_limit with replicas ------------------------------------------------------------------
+def test_memory_limit_counts_the_replicas_held(world: World, nodes: Path, engine: Engine) -> None:
+    """The memory tier holds this rank's checkpoints and a peer's replicas: memory_limit bounds
+    both. Two saves of ~1 MiB fill 4.5 MiB with their replicas; the third is refused on every
+    rank (nothing written, nothing replicated) and the two before stay restorable."""
+    mine = nodes / f"node_{world.rank}"
+    replicas = mine / "replicas" / f"rank_{(world.rank - 1) % world.size}"
+
+    def state(step: int) -> dict:
+        return {**rank_state(world.rank, step), "big": rand_tensor((1 << 20,), torch.uint8, step)}
+
+    errors: list[str] = []
+    with CheckpointManager(None, memory_dir=mine, replicate=True, keep_memory=2,
+                           memory_limit=9 << 19, engine=engine) as manager:
+        for step in (1, 2):
+            manager.save(step, state(step))
+            manager.wait()
+        refused = manager.save(3, state(3))
+        with collecting(errors, "save 3"):
+            err = refused.committed.exception(timeout=30)
+            assert isinstance(err, TierFullError), err
+            assert re.search(rf"memory tier {re.escape(str(mine))} has .+ free; the checkpoint "
+                             r"of step 3 needs", str(err)), str(err)
+        with collecting(errors, "wait"):
+            with pytest.raises(TierFullError):
+                manager.wait()
+        with collecting(errors, "tiers after the refused save"):
+            assert committed_steps(mine) == [1, 2] and not (mine / "step_3").exists()
+            assert committed_steps(replicas) == [1, 2]
+        out = blank_like(state(2))
+        loaded = manager.load(out)
+        with collecting(errors, "restore"):
+            assert loaded == 2
+            assert_state_equal(out, state(2))
+    agree(errors, f"memory_limit with replicas on {world.size} ranks")
+
+
+# -- a save refused on one rank only -------------------------------------------------------------
+def test_save_refused_on_one_rank_only(world: World, nodes: Path, shared: Path,
+                                       engine: Engine) -> None:
+    """Rank 1's memory tier is too small for the big saves: they are no checkpoint of the job
+    (never persisted, never restored), the small save after them is; close() raises rank 1's
+    error there, after the collective the other ranks are in (no hang)."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "durable"
+    limit = 3 << 20 if world.rank == 1 else None
+
+    def state(step: int, big: bool) -> dict:
+        extra = {"big": rand_tensor((5 << 19,), torch.uint8, step)} if big else {}
+        return {**rank_state(world.rank, step), **extra}
+
+    errors: list[str] = []
+    manager = CheckpointManager(durable, memory_dir=mine, memory_limit=limit, engine=engine)
+    try:
+        first = manager.save(1, state(1, big=True))
+        with collecting(errors, "save 1"):
+            err = first.committed.exception(timeout=30)
+            assert isinstance(err, TierFullError) == (world.rank == 1), err
+            assert first.persisted is None, "a save failed on rank 1: persisted nowhere"
+        latest = manager.latest_step()
+        with collecting(errors, "latest after save 1"):
+            assert latest is None
+        second = manager.save(2, state(2, big=False))
+        with collecting(errors, "save 2"):
+            assert second.persisted is not None
+            second.result(timeout=30)
+        latest = manager.latest_step()  # it waits for the saves; wait() reports their errors
+        err = error_of(manager.wait)
+        with collecting(errors, "wait"):
+            if world.rank == 1:
+                assert isinstance(err, TierFullError), err
+                assert "checkpoint of step 1 needs" in str(err), str(err)
+            else:
+                assert err is None, err
+            assert error_of(manager.wait) is None, "an error is raised once"
+        with collecting(errors, "latest after save 2"):
+            assert latest == 2
+        latest = manager.latest_step()
+        out = blank_like(state(2, big=False))
+        loaded = manager.load(out)
+        with collecting(errors, "restore"):
+            assert (latest, loaded) == (2, 2)
+            assert_state_equal(out, state(2, big=False))
+        manager.save(3, state(3, big=True))
+    finally:
+        err = error_of(manager.close)
+    with collecting(errors, "close"):
+        if world.rank == 1:
+            assert isinstance(err, TierFullError), err
+            assert "checkpoint of step 3 needs" in str(err), str(err)
+        else:
+            assert err is None, err
+    with collecting(errors, "tiers"):
+        assert committed_steps(durable) == [2]
+        assert committed_steps(mine) == ([2] if world.rank == 1 else [2, 3])
+    agree(errors, f"a save refused on rank 1 of {world.size}")
