@@ -129,7 +129,8 @@ def open_regular(path: Path) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device")  # a socket cannot be opened at all
             raise OSError(errno.EINVAL, f"is not a regular file ({kind})", str(path))
         os.set_blocking(fd, True)  # io_uring would answer EAGAIN on an O_NONBLOCK file
     except BaseException:

@@ -169,7 +169,7 @@ def _main_promptly(capsys: pytest.CaptureFixture[str], planted: Path,
                 os.close(r)
 
 
-WHY = {"fifo": "is not a regular file (a FIFO, device or socket)",
+WHY = {"fifo": "is not a regular file (a FIFO)",
        "symlink": "is a symbolic link (checkpoint files are never opened through one)"}
 
 
