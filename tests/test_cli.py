@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -145,11 +146,17 @@ def test_verify_truncated_and_missing(
 
 # -- files that are not regular files -----------------------------------------------------------
 def _plant(directory: Path, name: str, kind: str, outside: Path) -> Path:
-    """Replace ``directory/name`` with a FIFO, or a link to a copy of it in ``outside``."""
+    """Replace ``directory/name`` with a FIFO, a device (/dev/null's), or a link to a copy of
+    it in ``outside``."""
     target = directory / name
     target.rename(outside / name)
     if kind == "fifo":
         os.mkfifo(target)
+    elif kind == "device":
+        try:
+            os.mknod(target, 0o666 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
+        except PermissionError:
+            pytest.skip("no permission to make a device node here")
     else:
         target.symlink_to(outside / name)
     return target
@@ -169,7 +176,7 @@ def _main_promptly(capsys: pytest.CaptureFixture[str], planted: Path,
                 os.close(r)
 
 
-WHY = {"fifo": "is not a regular file (a FIFO)",
+WHY = {"fifo": "is not a regular file (a FIFO)", "device": "is not a regular file (a device)",
        "symlink": "is a symbolic link (checkpoint files are never opened through one)"}
 
 
@@ -189,7 +196,7 @@ def test_metadata_that_is_not_a_regular_file_is_refused(
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+@pytest.mark.parametrize("kind", ["fifo", "device", "symlink"])
 def test_data_file_that_is_not_a_regular_file_is_refused(
     ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
 ) -> None:
