@@ -260,8 +260,9 @@ def _header_problems(path: Path, md: Metadata, name: str, fd: int, size: int,
     for c in cs:
         try:
             why = entry_mismatch(header, data_start, _spec(path, md, c), c.loc.offset)
-        except CheckpointCorruptError as exc:
-            why = str(exc)
+        except CheckpointCorruptError as exc:  # .metadata contradicts itself
+            problems.append(str(exc))
+            continue
         if why is not None:
             problems.append(f"{_where(c)}: header does not match .metadata: {why}")
     known = {entry_key(entry_name(c.index)) for c in cs}

@@ -3,6 +3,7 @@ refuse it, naming the file, the item and what differs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
@@ -15,6 +16,7 @@ from conftest import MARKS, clone_state, data_files, load_into, raises_in_dcp, r
 from safetensors import safe_open
 
 from dcp_datastates import CheckpointCorruptError, cli
+from dcp_datastates.metadata_file import read_metadata, write_metadata
 
 pytestmark = MARKS
 
@@ -115,3 +117,19 @@ def test_file_longer_than_its_header_says(checkpoint, capsys: pytest.CaptureFixt
     with raises_in_dcp(CheckpointCorruptError,
                        rf"data file {re.escape(file.name)}: {re.escape(why)}"):
         load_into(expected, directory)
+
+
+def test_metadata_contradicting_itself_is_named_by_verify(
+    checkpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A location whose length does not fit the tensor's dtype and shape (the header is right)."""
+    directory, file, _ = checkpoint
+    metadata = read_metadata(directory)
+    index = next(i for i in metadata.storage_data if i.fqn == "w")
+    loc = metadata.storage_data[index]
+    metadata.storage_data[index] = dataclasses.replace(loc, length=loc.length - 4)
+    write_metadata(directory, metadata, "test")
+    code, err = _verify(directory, capsys)
+    assert code == 1
+    assert f"{directory}: file {file.name}, item 'w' (chunk at [0, 0]): {W_BYTES - 4} bytes " \
+           f"stored for a torch.float32 chunk of shape [300, 257]" in err
