@@ -85,9 +85,25 @@ def _unseal(metadata: Metadata) -> Metadata:
     return metadata
 
 
+#: How many fields this torch pickles for a ``TensorProperties`` (5 up to torch 2.14; 2.15
+#: appended ``strides``).
+_PROPERTIES_FIELDS = len(TensorProperties().__getstate__())
+
+
+class _NewerTensorProperties(TensorProperties):
+    """Unpickles a ``TensorProperties`` that a newer torch wrote with fields appended (torch
+    2.15's ``strides``, which no load here uses): they are dropped, so a checkpoint saved with
+    a newer torch loads with this one. The object becomes a plain ``TensorProperties``."""
+
+    def __setstate__(self, state: tuple) -> None:
+        self.__class__ = TensorProperties
+        self.__setstate__(tuple(state)[:_PROPERTIES_FIELDS])
+
+
 _ALLOWED = {(c.__module__, c.__qualname__): c for c in _SAFE_GLOBALS} | {
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     (written_by_datastates.__module__, written_by_datastates.__qualname__): _unseal,
+    (TensorProperties.__module__, TensorProperties.__qualname__): _NewerTensorProperties,
 }
 
 

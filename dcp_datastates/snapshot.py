@@ -25,10 +25,16 @@ from .host_cache import Lease
 #: CPU tensors smaller than this are copied with one ``memmove`` (less overhead than torch).
 MEMMOVE_BYTES = 1 << 20
 
+#: The attributes of DCP's ``CheckpointableTensor`` protocol (torch >= 2.14): a plain tensor
+#: holding shards of a larger one. Its staged copy must carry them, or DCP plans the copy as a
+#: whole tensor of the local buffer's shape.
+SHARD_ATTRS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+
 
 @dataclass(frozen=True)
 class _Slot:
     index: int
+    attrs: tuple[tuple[str, object], ...] = ()  # set on the staged copy (SHARD_ATTRS)
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,8 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
         local = obj.to_local().detach()
         sources.append(local.contiguous() if local.is_cuda else local)
     elif isinstance(obj, torch.Tensor):
-        out = _Slot(len(sources))
+        attrs = tuple((a, getattr(obj, a)) for a in SHARD_ATTRS if hasattr(obj, a))
+        out = _Slot(len(sources), attrs)
         tensor = obj.detach()
         sources.append(tensor.contiguous() if tensor.is_cuda else tensor)
     elif isinstance(obj, dict):
@@ -76,6 +83,8 @@ def rebuild(obj: object, staged: list[torch.Tensor], memo: dict[int, object]) ->
         return memo[id(obj)]
     if isinstance(obj, _Slot):
         out: object = staged[obj.index]
+        for name, value in obj.attrs:
+            setattr(out, name, copy.deepcopy(value))
     elif isinstance(obj, _DTensorSlot):
         src = obj.source
         out = DTensor.from_local(staged[obj.index], src.device_mesh, src.placements,

@@ -141,6 +141,32 @@ def test_shared_tensors_are_saved_under_each_name(tmp_path: Path, make_writer, m
     assert_state_equal(load_into(expected, tmp_path), expected)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_checkpointable_tensor_shards(tmp_path: Path, make_writer, mode: str) -> None:
+    """A plain tensor holding shards of a larger one (DCP's CheckpointableTensor protocol):
+    the snapshot keeps its shard attributes, so the global tensor is saved, not the buffer."""
+    if not hasattr(dcp, "CheckpointableTensor"):
+        pytest.skip("DCP's CheckpointableTensor protocol came with torch 2.14")
+    full = rand_tensor((8, 3), torch.float32, seed=50)
+    local = torch.cat([full[4:], full[:4], torch.zeros(1, 3)])  # halves swapped, a pad row
+    local.global_shape = (8, 3)
+    local.global_offsets = ((4, 0), (0, 0))
+    local.local_offsets = ((0, 0), (4, 0))
+    local.local_sizes = ((4, 3), (4, 3))
+    expected = {"w": full.clone(), "step": 7}
+    state = {"w": local, "step": 7}
+    writer = make_writer()
+    if mode == "sync":
+        save(state, tmp_path, writer)
+    else:
+        response = dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer,
+                                  no_dist=True)
+        response.staging_completion.result(timeout=TIMEOUT)
+        local.zero_()
+        response.upload_completion.result(timeout=TIMEOUT)
+    assert_state_equal(load_into(expected, tmp_path), expected)
+
+
 def test_async_tuple_with_tensor_does_not_pickle_the_host_cache(
     tmp_path: Path, make_writer
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import dataclasses
 import io
 import json
@@ -28,6 +29,7 @@ from conftest import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import TensorProperties
 
 from dcp_datastates import CheckpointCorruptError
 from dcp_datastates.directory import LOCK_NAME
@@ -395,6 +397,30 @@ def test_storage_data_that_is_not_a_mapping(checkpoint) -> None:
     write_metadata(directory, metadata, "test")
     with raises_in_dcp(CheckpointCorruptError, r"storage data is not a mapping"):
         load_into(expected, directory)
+
+
+def test_metadata_from_a_newer_torch_loads(checkpoint) -> None:
+    """torch 2.15 appended ``strides`` to what a ``TensorProperties`` pickles, which torch 2.14
+    and older cannot unpickle: fields a newer torch appended are dropped, those this torch
+    knows are kept."""
+    directory, expected = checkpoint
+    metadata = read_metadata(directory)
+
+    def newer(props: TensorProperties) -> tuple:
+        state = props.__getstate__()[:5] + ((1,), "a field of a torch still to come")
+        return copyreg.__newobj__, (TensorProperties,), state
+
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = copyreg.dispatch_table | {TensorProperties: newer}
+    pickler.dump(metadata)
+    (directory / ".metadata").write_bytes(buf.getvalue())
+    read = read_metadata(directory)
+    props = [md.properties for md in read.state_dict_metadata.values()
+             if hasattr(md, "properties")]
+    assert props and all(type(p) is TensorProperties for p in props)
+    assert all(getattr(p, "strides", (1,)) == (1,) for p in props)  # kept where known
+    assert_state_equal(load_into(expected, directory), expected)
 
 
 # -- hostile names in the state itself round-trip ------------------------------------------------

@@ -13,6 +13,7 @@ saves); ``test_fsdp2_async_manager_multi_rank`` runs under mpirun with the other
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,8 +49,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:To get the last learning rate co
 world = mpi_util.world
 shared = mpi_util.shared
 MODES = ["disabled", "async", "async_with_pinned_mem"]
-#: How long each snapshot is held back in the tests that check the overlap.
+#: How long each snapshot is held back in the tests that check the overlap, once released.
 STAGING_DELAY = 0.5
+#: The longest a held snapshot waits for its release (a test that forgets it still ends).
+HOLD_LIMIT = 60.0
 
 
 @pytest.fixture
@@ -169,10 +172,18 @@ def differences(actual: object, expected: object, path: str = "") -> list[str]:
     return [] if actual == expected else [f"{path}: {actual!r} != {expected!r}"]
 
 
-def hold_snapshot(engine: Engine, delay: float = STAGING_DELAY) -> None:
-    """Hold the next snapshot back by ``delay`` s (the engine's staging thread is busy that
-    long first): a missing wait before optimizer.step() shows."""
-    engine.stage_pool.submit(time.sleep, delay)
+def hold_snapshot(engine: Engine, delay: float = STAGING_DELAY) -> threading.Event:
+    """Hold the next snapshot back until the event returned is set, then ``delay`` s more (the
+    engine's staging thread is busy that long first): the save returns with its snapshot still
+    copying however loaded the machine is, and a missing wait before optimizer.step() shows."""
+    release = threading.Event()
+
+    def hold() -> None:
+        release.wait(HOLD_LIMIT)
+        time.sleep(delay)
+
+    engine.stage_pool.submit(hold)
+    return release
 
 
 def step_dirs(folder: Path) -> list[str]:
@@ -191,12 +202,13 @@ def test_manager_saves_and_resumes(one_rank: None, tmp_path: Path, engine: Engin
     saved = {}
     for step in range(1, 6):
         run.step(step, manager)
-        hold_snapshot(engine)
+        release = hold_snapshot(engine)
         manager.save(step, last_step=step == 5)
         if mode != "disabled" and step in (2, 4):
             # save() returned while the snapshot is still copying (it overlaps the next step,
             # whose optimizer step waits for it)
             assert not ds.staging.done()
+        release.set()
         if step in (2, 4, 5):
             saved[step] = run.snapshot()
     manager.close()
@@ -266,10 +278,11 @@ def test_config_subclass(one_rank: None, tmp_path: Path) -> None:
     assert enable_datastates(manager) is ds  # a second call changes nothing
     for step in (1, 2):
         run.step(step, manager)
-        hold_snapshot(ds.engine)
+        release = hold_snapshot(ds.engine)
         manager.save(step)
         if step == 2:
             assert not ds.staging.done()
+        release.set()
     run.step(3, manager)  # its optimizer step waited for the snapshot of step 2
     expected = run.snapshot()
     manager.close()
@@ -300,10 +313,13 @@ def test_config_subclass_with_an_engine_and_pinned_mode(one_rank: None, tmp_path
                     io_backend="threads")
     for step in (1, 2):
         run.step(step, manager)
-        hold_snapshot(engine)
+        release = hold_snapshot(engine)
         manager.save(step)
+        if step == 1:
+            release.set()
     assert manager.staging_future is ds.staging
     assert not manager.staging_future.done()
+    release.set()
     manager.maybe_wait_for_staging()
     assert manager.staging_future is None and ds.staging.done()
     expected = run.snapshot()
@@ -342,7 +358,7 @@ def test_fsdp2_async_manager_multi_rank(world: World, shared: Path, engine: Engi
     saved = {}
     for step in range(1, 5):
         run.step(step, manager)
-        hold_snapshot(engine, 0.2)
+        hold_snapshot(engine, 0.2).set()
         manager.save(step)
         if step % 2 == 0:
             saved[step] = run.snapshot()
