@@ -121,6 +121,18 @@ def test_one_writer_many_checkpoints_sequential(tmp_path: Path, make_writer) -> 
         assert_state_equal(load_into(exp, tmp_path / f"c{i}"), exp)
 
 
+def save_then_change(state: dict, path: Path, writer, mode: str, change) -> None:
+    """Save ``state`` (``"sync"``: dcp.save; ``"async"``: async_save, then ``change()`` the
+    source once the snapshot is taken and before the upload is done)."""
+    if mode == "sync":
+        save(state, path, writer)
+        return
+    response = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, no_dist=True)
+    response.staging_completion.result(timeout=TIMEOUT)
+    change()
+    response.upload_completion.result(timeout=TIMEOUT)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_shared_tensors_are_saved_under_each_name(tmp_path: Path, make_writer, mode: str) -> None:
     """Tied weights: one tensor object under several keys (staged once, written twice)."""
@@ -129,15 +141,7 @@ def test_shared_tensors_are_saved_under_each_name(tmp_path: Path, make_writer, m
     state = {"enc": {"emb": big}, "dec": {"emb": big, "s": small}, "s": small}
     expected = clone_state(state)
     writer = make_writer(host_cache_size="4MiB")
-    if mode == "sync":
-        save(state, tmp_path, writer)
-    else:
-        response = dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer,
-                                  no_dist=True)
-        response.staging_completion.result(timeout=TIMEOUT)
-        big.zero_()
-        small.zero_()
-        response.upload_completion.result(timeout=TIMEOUT)
+    save_then_change(state, tmp_path, writer, mode, lambda: (big.zero_(), small.zero_()))
     assert_state_equal(load_into(expected, tmp_path), expected)
 
 
@@ -156,14 +160,7 @@ def test_checkpointable_tensor_shards(tmp_path: Path, make_writer, mode: str) ->
     expected = {"w": full.clone(), "step": 7}
     state = {"w": local, "step": 7}
     writer = make_writer()
-    if mode == "sync":
-        save(state, tmp_path, writer)
-    else:
-        response = dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer,
-                                  no_dist=True)
-        response.staging_completion.result(timeout=TIMEOUT)
-        local.zero_()
-        response.upload_completion.result(timeout=TIMEOUT)
+    save_then_change(state, tmp_path, writer, mode, local.zero_)
     assert_state_equal(load_into(expected, tmp_path), expected)
 
 
@@ -283,15 +280,8 @@ def test_thirty_thousand_tiny_tensors(tmp_path: Path, make_writer, mode: str) ->
     assert sum(len(v) for v in state.values()) == 30_000
     expected = clone_state(state)
     writer = make_writer(host_cache_size="8MiB")
-    if mode == "sync":
-        save(state, tmp_path, writer)
-    else:
-        response = dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer,
-                                  no_dist=True)
-        response.staging_completion.result(timeout=TIMEOUT)
-        for layer in state.values():
-            layer["bias"].zero_()
-        response.upload_completion.result(timeout=TIMEOUT)
+    save_then_change(state, tmp_path, writer, mode,
+                     lambda: [layer["bias"].zero_() for layer in state.values()])
     assert len(data_files(tmp_path)) == 1
     stats = writer.last_stats()
     assert stats.overflow_bytes == 0
