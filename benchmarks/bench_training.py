@@ -121,25 +121,29 @@ Save = Callable[[dict, Path], object]  # (state, path) -> what dcp.async_save re
 class Mode:
     """One way to checkpoint during training.
 
-    ``saver(trainer, setup, rec)`` is a context manager: it builds what the mode needs (off the
-    clock; one-time seconds go in ``setup``), yields a ``Save`` that starts one checkpoint, and
-    adds its own figures to ``rec`` when the mode is done. None: no checkpoints.
+    ``saver(trainer, path, setup, rec)`` is a context manager: it builds what the mode needs
+    (off the clock; one-time seconds go in ``setup``), yields a ``Save`` that starts one
+    checkpoint, and adds its own figures to ``rec`` when the mode is done. None: no checkpoints.
+    ``reuse_state``: build the state dict once and save it again at each checkpoint (its
+    tensors are the live parameters and optimizer states, updated in place), so an every-step
+    mode does not time ``get_state_dict`` at every step.
     """
 
     label: str
-    saver: Callable[[Trainer, dict, dict], AbstractContextManager[Save]] | None = None
+    saver: Callable[[Trainer, Path, dict, dict], AbstractContextManager[Save]] | None = None
     snapshot_before_step: bool = False  # wait for the snapshot right before optimizer.step()
     every: int | None = None  # checkpoint interval of its own (None: --every)
     wait_previous: bool = True  # the previous checkpoint must be done before the next starts
+    reuse_state: bool = False
 
 
 @contextmanager
-def dcp_pinned(tr: Trainer, setup: dict, rec: dict) -> Iterator[Save]:
+def dcp_pinned(tr: Trainer, path: Path, setup: dict, rec: dict) -> Iterator[Save]:
     yield lambda state, path: async_save_pinned(state, path, tr.device == "cuda")
 
 
 @contextmanager
-def ours(tr: Trainer, setup: dict, rec: dict) -> Iterator[Save]:
+def ours(tr: Trainer, path: Path, setup: dict, rec: dict) -> Iterator[Save]:
     """DataStatesWriter (made once, outside the timing) with the optimizer guard, whose waits
     are timed by one hook before it and one after."""
     t0 = time.perf_counter()
@@ -179,32 +183,31 @@ class _Response:
 
 
 @contextmanager
-def tiers(tr: Trainer, setup: dict, rec: dict) -> Iterator[Save]:
-    """CheckpointManager: every checkpoint committed into /dev/shm, persisted to the
-    checkpoint directory whenever the previous persist is over; then the restart figures."""
+def tiers(tr: Trainer, path: Path, setup: dict, rec: dict) -> Iterator[Save]:
+    """CheckpointManager: every checkpoint snapshotted into /dev/shm slots (mapped and pinned
+    by ``prepare``, off the clock), persisted to the checkpoint directory whenever the previous
+    persist is over; then the restart figures."""
     t0 = time.perf_counter()
-    nbytes = state_bytes(tr.state(0))
-    engine = Engine(host_cache_size=2 * nbytes + (512 << 20))  # two snapshots may overlap
+    state = tr.state(0)
+    nbytes = state_bytes(state)
+    engine = Engine(host_cache_size=nbytes + (512 << 20))  # for a save that finds no free slot
     engine.reserve(nbytes).release()  # map and pin the cache once
-    setup["tiers_engine_s"] = time.perf_counter() - t0
     memory = Path("/dev/shm/bench_training_tiers")
-    box: dict = {}
-    hooks = []
+    shutil.rmtree(memory, ignore_errors=True)
+    manager = CheckpointManager(path / "durable", memory_dir=memory, keep_memory=2,
+                                keep_durable=2, engine=engine)
+    manager.prepare(state)
+    setup["tiers_engine_s"] = time.perf_counter() - t0
+    hook = guard(tr.opt, manager)
+    box = {"t0": None}
 
     def save(state: dict, path: Path) -> _Response:
-        if "manager" not in box:
-            shutil.rmtree(memory, ignore_errors=True)
-            box["durable"] = path / "durable"
-            box["manager"] = CheckpointManager(box["durable"], memory_dir=memory, keep_memory=2,
-                                               keep_durable=2, engine=engine)
-            box["t0"] = time.perf_counter()
-            hooks.append(guard(tr.opt, box["manager"]))
-        return _Response(box["manager"].save(state["step"], state))
+        box["t0"] = box["t0"] or time.perf_counter()
+        return _Response(manager.save(state["step"], state))
 
     try:
         yield save
-        manager = box.get("manager")
-        if manager is not None:
+        if box["t0"] is not None:
             manager.wait()
             span = time.perf_counter() - box["t0"]
             persisted = [f for f in manager.history if f.persist_s is not None]
@@ -215,8 +218,8 @@ def tiers(tr: Trainer, setup: dict, rec: dict) -> Iterator[Save]:
             manager.close()
             rec["tiers"]["restart"] = restart(tr, manager, engine)
     finally:
-        for h in hooks:
-            h.remove()
+        hook.remove()
+        manager.close()
         shutil.rmtree(memory, ignore_errors=True)
         engine.close()
 
@@ -250,7 +253,7 @@ MODES = {
     "ours": Mode("DataStatesWriter + guard", ours),
     "tiers": Mode("CheckpointManager: memory tier + persist", tiers, wait_previous=False),
     "tiers_every_step": Mode("CheckpointManager, every step", tiers, every=1,
-                             wait_previous=False),
+                             wait_previous=False, reuse_state=True),
 }
 
 
@@ -263,6 +266,7 @@ def run_mode(mode: Mode, tr: Trainer, path: Path, setup: dict, rec: dict) -> Non
     earlier: list[tuple] = []  # checkpoints not waited for (mode.wait_previous False)
     every = mode.every or a.every
     staging = None  # snapshot_before_step: the staging future to wait for
+    state = None
 
     def wait_staging() -> None:
         nonlocal staging
@@ -278,7 +282,7 @@ def run_mode(mode: Mode, tr: Trainer, path: Path, setup: dict, rec: dict) -> Non
         rec["durable_s"].append(stamp.wait() - t_call)
 
     try:
-        with mode.saver(tr, setup, rec) if mode.saver else nullcontext() as start:
+        with mode.saver(tr, path, setup, rec) if mode.saver else nullcontext() as start:
             for _ in range(a.warmup):
                 tr.step()
             sync()
@@ -296,7 +300,10 @@ def run_mode(mode: Mode, tr: Trainer, path: Path, setup: dict, rec: dict) -> Non
                             finish(pending)
                             rec["upload_wait_s"].append(time.perf_counter() - t)
                         t = time.perf_counter()
-                        state = tr.state(s)
+                        if mode.reuse_state and state is not None:
+                            state["step"] = s
+                        else:
+                            state = tr.state(s)
                         t_call = time.perf_counter()
                         rec["state_dict_s"].append(t_call - t)
                         resp = start(state, path)
@@ -492,9 +499,13 @@ def main() -> None:
         t_mode = time.perf_counter()
         run.guard(name, run_mode, MODES[mode], tr, root / mode, res["setup"], rec)
         steps = rec.get("step_s", [])
-        log(f"{name}: {len(steps)} steps, median {ms(median(steps)) or 0:.1f} ms, max "
-            f"{ms(max(steps, default=0)):.1f} ms; mode took {time.perf_counter() - t_mode:.1f} s "
-            f"(elapsed {time.perf_counter() - t_start:.0f} s)")
+        mean = sum(steps) / len(steps) if steps else 0.0
+        tier = rec.get("tiers")
+        log(f"{name}: {len(steps)} steps, median {ms(median(steps)) or 0:.1f} ms, mean "
+            f"{ms(mean):.1f} ms, max {ms(max(steps, default=0)):.1f} ms"
+            + (f"; {tier['saves']} saves, {tier['persisted']} persisted" if tier else "")
+            + f"; mode took {time.perf_counter() - t_mode:.1f} s (elapsed "
+              f"{time.perf_counter() - t_start:.0f} s)")
 
     runs = res["runs"]
     if any(r.get("tiers") for r in runs.values()):

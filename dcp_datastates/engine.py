@@ -99,6 +99,7 @@ class Engine:
         self._snapshot: Arena | None = None
         self._bounce: Arena | None = None
         self._retiring: list[Arena] = []
+        self._file_arenas: list[Arena] = []  # memory-tier slots mapped through map_file
         self._tickets = itertools.count(1)
         self._jobs: dict[int, SaveJob] = {}
         self.closed = False
@@ -209,6 +210,44 @@ class Engine:
         self._free_retired()
         return arena
 
+    def map_file(self, fd: int, nbytes: int, name: str) -> Arena:
+        """The first ``nbytes`` of the file ``fd`` mapped shared and pinned for GPU copies:
+        an arena of the caller's (a memory-tier slot), freed by :meth:`unmap_file` or at
+        :meth:`close`. Pinning costs about 0.5 s per GiB."""
+        with self._grow_lock:
+            self._check_open()
+        arena = Arena(nbytes, name, fd=fd)
+        try:
+            if self.cuda is not None:
+                self.cuda.pin(arena.addr, arena.nbytes)
+        except BaseException:
+            arena.free()
+            raise
+        with self._grow_lock:
+            closed = self.closed
+            if not closed:
+                self._file_arenas.append(arena)
+        if closed:  # closed meanwhile: nothing may outlive the engine
+            self._unpin_and_free(arena)
+            self._check_open()
+        return arena
+
+    def unmap_file(self, arena: Arena) -> None:
+        """Unpin and unmap an arena of :meth:`map_file` (idempotent; raises while a lease of
+        it is live)."""
+        with self._grow_lock:
+            if arena not in self._file_arenas:
+                return  # freed already (by close)
+            if arena.pool.live:
+                raise RuntimeError(f"cannot unmap {arena.pool.name}: a save still holds it")
+            self._file_arenas.remove(arena)
+        self._unpin_and_free(arena)
+
+    def _unpin_and_free(self, arena: Arena) -> None:
+        if self.cuda is not None:
+            self.cuda.unpin(arena.addr)
+        arena.free()
+
     def _make_arena(self, nbytes: int, name: str) -> Arena:
         arena = Arena(nbytes, name)
         try:
@@ -226,9 +265,7 @@ class Engine:
             raise RuntimeError(
                 f"cannot free the {arena.pool.name} cache: {arena.pool.live} lease(s) still live")
         self.io.unregister(arena.addr, arena.nbytes)
-        if self.cuda is not None:
-            self.cuda.unpin(arena.addr)
-        arena.free()
+        self._unpin_and_free(arena)
 
     def _free_retired(self) -> None:
         with self._grow_lock:
@@ -336,10 +373,13 @@ class Engine:
         self.io_pool.shutdown(wait=True)
         with self._grow_lock:
             arenas = [a for a in (self._snapshot, self._bounce, *self._retiring) if a]
+            files, self._file_arenas = self._file_arenas, []
             self._snapshot = self._bounce = None
             self._retiring = []
         for arena in arenas:
             self._free_arena(arena)
+        for arena in files:
+            self._unpin_and_free(arena)
         if self.cuda is not None:
             self.cuda.close()
         if self._owns_io:

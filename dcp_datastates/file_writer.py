@@ -60,12 +60,15 @@ def coalesce(pieces: list[Piece]) -> list[Piece]:
     return runs
 
 
-def open_for_write(path: Path, direct: bool | None) -> tuple[int, bool]:
-    """Create ``path`` (it must not exist); O_DIRECT when asked or, for None, when it helps.
+def open_for_write(path: Path, direct: bool | None, create: bool = True) -> tuple[int, bool]:
+    """Create ``path`` (it must not exist; with ``create`` False, open the file there);
+    O_DIRECT when asked or, for None, when it helps.
 
     It does not help on memory file systems (tmpfs, ramfs): there the page cache is the file.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    if create:
+        flags |= os.O_CREAT | os.O_EXCL
     if direct is None and memory_backed(path.parent):
         direct = False
     if direct is not False:
@@ -78,18 +81,19 @@ def open_for_write(path: Path, direct: bool | None) -> tuple[int, bool]:
 
 
 class DataFile:
-    """One data file being written: created at once, written in batches, then finished
-    (truncated to size and fsynced) or aborted (removed). Nothing it submitted is still
-    running when either returns."""
+    """One data file being written: created at once (or, with ``create`` False, one that
+    exists, such as a memory-tier slot holding the data already), written in batches, then
+    finished (truncated to size and fsynced) or aborted (removed). Nothing it submitted is
+    still running when either returns."""
 
     def __init__(self, path: Path, direct: bool | None, io: IOBackend, bounce: Pool,
-                 submit: Callable[..., Future]) -> None:
+                 submit: Callable[..., Future], create: bool = True) -> None:
         self.path = path
         self.io = io
         self.bounce = bounce
         self.submit = submit
         self.extent = min(EXTENT_BYTES, max(ALIGN, bounce.capacity // 4 // ALIGN * ALIGN))
-        self.fd, self.direct = open_for_write(path, direct)
+        self.fd, self.direct = open_for_write(path, direct, create)
         self._cancel = threading.Event()
         self._futures: list[Future] = []
 

@@ -1,7 +1,8 @@
 """Host memory the engine owns: page-aligned arenas carved into leases.
 
-An :class:`Arena` is anonymous memory mapped once (``mmap``, so it is 4 KiB aligned whatever
-torch's allocator or sharing strategy does) and unmapped only by an explicit :meth:`Arena.free`.
+An :class:`Arena` is memory mapped once (``mmap``, so it is 4 KiB aligned whatever torch's
+allocator or sharing strategy does): anonymous, or a shared mapping of a file (a memory-tier
+slot, whose pages are the file's), unmapped only by an explicit :meth:`Arena.free`.
 A :class:`Pool` hands out :class:`Lease` ranges of it, first fit, each starting on a 4 KiB
 boundary and spanning a multiple of 4 KiB, so a lease serves O_DIRECT and io_uring fixed-buffer
 transfers as it is. A lease goes back to its pool only through :meth:`Lease.release`.
@@ -89,6 +90,20 @@ class Pool:
                     return lease
         return None
 
+    def try_allocate_at(self, offset: int, nbytes: int) -> Lease | None:
+        """The lease of ``nbytes`` at ``offset`` (4 KiB aligned), or None if any of that range
+        is taken."""
+        need = round_up(max(nbytes, 1))
+        with self._cond:
+            for k, (begin, size) in enumerate(self._free):
+                if begin <= offset and offset + need <= begin + size:
+                    tail = [offset + need, begin + size - offset - need]
+                    self._free[k : k + 1] = [b for b in ([begin, offset - begin], tail) if b[1]]
+                    self.used += need
+                    self.live += 1
+                    return Lease(self, offset, nbytes, need)
+        return None
+
     def allocate(self, nbytes: int, timeout: float = 0.1) -> Lease:
         """A lease of at least ``nbytes``, waiting for releases while the pool is full."""
         if round_up(max(nbytes, 1)) > self.capacity:
@@ -128,19 +143,24 @@ class Pool:
 
 
 class Arena:
-    """``nbytes`` of page-aligned anonymous memory with one pool over it.
+    """``nbytes`` of page-aligned memory with one pool over it: anonymous, or with ``fd`` the
+    file's first ``nbytes`` mapped shared (the file must be at least that long).
 
     The pages are touched when mapped (``MAP_POPULATE``), off the training path. Whoever made
     the arena frees it with :meth:`free` once no lease is live, after undoing any pinning or
     I/O registration of its address range.
     """
 
-    def __init__(self, nbytes: int, name: str) -> None:
+    def __init__(self, nbytes: int, name: str, fd: int | None = None) -> None:
         if nbytes < ALIGN:
             raise ValueError(f"an arena needs at least {ALIGN} bytes, got {nbytes}")
         self.nbytes = round_up(nbytes)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        addr = _libc.mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        if fd is None:
+            flags, fd = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate, -1
+        else:
+            flags = mmap.MAP_SHARED | populate
+        addr = _libc.mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if addr in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise MemoryError(

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -21,6 +22,9 @@ from .engine import Engine, default_engine
 from .jobs.save import SaveJob
 from .jobs.staged import StagedSaves
 from .stats import SaveStats
+
+if TYPE_CHECKING:
+    from .tiers.slots import Slot
 
 
 def _ends_job_on_error(method: Callable) -> Callable:
@@ -55,16 +59,20 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         direct_io: O_DIRECT for data files: None uses it where the file system allows and it
             helps (not on tmpfs), True requires it (checked here, or when the path is known),
             False never uses it.
+        snapshot_into: a memory-tier slot (``CheckpointManager`` gives one) that the snapshot
+            of an async save is copied into and that becomes the data file in place.
     """
 
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
-                 overwrite: bool = False, direct_io: bool | None = None) -> None:
+                 overwrite: bool = False, direct_io: bool | None = None,
+                 snapshot_into: Slot | None = None) -> None:
         super().__init__()
         self.path = Path(os.path.expanduser(path)) if path is not None else None
         self.overwrite = overwrite
         self.direct_io = direct_io
+        self._slot = snapshot_into
         self._engine = engine
         self._staged = StagedSaves()
         self._running: dict[int, SaveJob] = {}  # thread ident -> its save
@@ -82,7 +90,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if job is not None:
             job.hand_off()
         state = self.__dict__.copy()
-        state.update(_engine=None, _staged=None, _running={}, _last=None)
+        state.update(_engine=None, _staged=None, _running={}, _last=None, _slot=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -92,6 +100,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict) -> Future:
         """Start snapshotting ``state_dict``; the Future gives the staged copy."""
         job = self._last = self.engine.new_save_job()
+        job.slot = self._slot
         self._staged.add(job)
         return job.stage(state_dict)
 

@@ -170,3 +170,48 @@ def test_sync_save_of_gpu_state_and_load_into_strided_gpu_target(tmp_path, engin
     dcp.load({"w": target}, checkpoint_id=tmp_path / "ck", storage_reader=DataStatesReader(),
              no_dist=True)
     assert torch.equal(target, state["w"])
+
+
+def test_manager_snapshots_every_step_into_pinned_slots(tmp_path, engine_of) -> None:
+    """CheckpointManager on tmpfs with a GPU state: each step's snapshot lands in a pinned slot
+    file that becomes the step's data file (the guard holds optimizer.step until it is copied);
+    the kept steps restore bit-exactly onto the GPU, the dropped ones' files are reused."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from dcp_datastates import CheckpointManager
+
+    memory = Path(tempfile.mkdtemp(prefix="dcp_gpu_tiers_", dir="/dev/shm"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = engine_of("256MiB")
+    saved, inodes = {}, set()
+    try:
+        with CheckpointManager(tmp_path / "durable", memory_dir=memory, keep_memory=2,
+                               persist=None, engine=engine) as manager:
+            handle = guard(opt, manager)
+            for step in range(1, 7):
+                model(torch.randn(8, 4096, device="cuda")).square().mean().backward()
+                state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                if step == 1:
+                    manager.prepare(state)
+                opt.step()  # waits for the previous step's snapshot
+                opt.zero_grad()
+                state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                manager.save(step, state)
+            manager.wait()
+            for step in range(1, 7):
+                files = list((memory / f"step_{step}").glob("*.safetensors"))
+                inodes.update(f.stat().st_ino for f in files)
+            handle.remove()
+            for step in (5, 6):
+                out = {"model": {k: torch.zeros_like(v) for k, v in saved[step].items()}}
+                assert manager.load(out, step=step) == step
+                assert_same(out["model"], saved[step])
+        assert len(inodes) == 2, "steps 5 and 6 are in slot files"
+        assert engine.live_leases() == 0
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)

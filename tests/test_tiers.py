@@ -77,7 +77,10 @@ def steps_in(root: Path) -> list[int]:
 
 
 def dirs_in(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    """Entries of ``root``, less the memory tier's slot directory (``.slots.<pid>``)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".slots."))
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -282,6 +285,7 @@ def test_kill_after_memory_commit_then_restore_and_persist(tiers: Tiers, engine:
     assert any("persisting step 7 (committed in memory by an earlier process)" in m
                for m in manager_logs(logs))
     assert restored_from(logs, 7) == ["memory"]
+    assert not list(tiers.memory.glob(".slots.*")), "the dead process's free slots are gone"
     assert_state_equal(load_into(expected, tiers.durable / "step_7"), expected)
 
 
@@ -470,6 +474,37 @@ def test_retention_keeps_k_also_while_persists_overlap_saves(tiers: Tiers, held_
             assert_state_equal(out, expected[step])
     for step in (6, 7):
         assert_state_equal(load_into(expected[step], tiers.durable / f"step_{step}"),
+                           expected[step])
+
+
+def test_snapshots_go_into_reused_slots_that_become_the_data_files(tiers: Tiers,
+                                                                   engine: Engine) -> None:
+    """On tmpfs a save snapshots straight into a slot file that becomes the step's data file;
+    retention hands the file back for a later save. Six saves with keep_memory=2 use at most
+    keep_memory + 2 files, the engine's snapshot cache is never made, and every kept step
+    loads exactly (no bytes of an earlier step left in a reused slot)."""
+    expected = {s: make_state(s, big=MiB + 3 * s) for s in range(1, 7)}
+    inodes: dict[int, int] = {}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2, persist=None,
+                           engine=engine) as manager:
+        for step, state in expected.items():
+            manager.save(step, state).committed.result(timeout=30)
+            (data,) = data_files(tiers.memory / f"step_{step}")
+            inodes[step] = data.stat().st_ino
+            manager.wait()
+            assert steps_in(tiers.memory) == [s for s in (step - 1, step) if s >= 1]
+        assert engine.live_leases() == 0
+        assert len(set(inodes.values())) <= 4 < len(inodes), inodes
+        for step in (5, 6):
+            out = blank_like(expected[step])
+            assert manager.load(out, step=step) == step
+            assert_state_equal(out, expected[step])
+    # the engine (host_cache_size 8 MiB) made its 2 MiB of bounce buffers, no snapshot cache
+    assert engine.cache_bytes() == 2 * MiB, "the snapshots never went through the host cache"
+    assert dirs_in(tiers.memory) == ["step_5", "step_6"]
+    assert not list(tiers.memory.glob(".slots.*")), "close() removes the free slots"
+    for step in (5, 6):  # plain DCP loads of the memory tier's checkpoints, after the manager
+        assert_state_equal(load_into(expected[step], tiers.memory / f"step_{step}"),
                            expected[step])
 
 

@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -33,6 +34,9 @@ from ..sizes import format_size
 from ..snapshot import copy_into, layout, nbytes_of, rebuild, walk
 from ..stats import SaveStats
 from .caller import Caller
+
+if TYPE_CHECKING:
+    from ..tiers.slots import Slot
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -79,6 +83,7 @@ class SaveJob:
         self.is_coordinator = True
         self.token = new_token()
         self.directory: Path | None = None
+        self.slot: Slot | None = None  # a memory-tier slot to snapshot into (async saves)
         self._leases: list[Lease] = []
         self._claim: DirectoryClaim | None = None
         self._lock = threading.RLock()
@@ -113,7 +118,7 @@ class SaveJob:
                ready: dict | None) -> None:
         try:
             offsets, total = layout(sources)
-            lease = self._hold(self.engine.reserve(total))
+            lease = self._hold(self._slot_lease(total, len(sources)) or self.engine.reserve(total))
             staged, overflow = copy_into(lease, sources, offsets, self.engine.cuda, ready,
                                          dtensors)
             sources.clear()  # the copies are done: the sources may be changed or freed
@@ -137,6 +142,18 @@ class SaveJob:
         if not self.staged.done():
             self._delivered_at = time.monotonic()
             self.staged.set_result(state)
+
+    def _slot_lease(self, total: int, entries: int) -> Lease | None:
+        """The snapshot's lease in the job's memory-tier slot, if it has one that can take it."""
+        if self.slot is None or total <= 0:
+            return None
+        try:
+            return self.slot.lease(total, entries)
+        except (OSError, RuntimeError) as exc:  # no room on the tier, pinning refused
+            log.warning("dcp_datastates: save %d: memory-tier slot %s unusable (%s); the "
+                        "snapshot goes to the host cache and is copied", self.id,
+                        self.slot.home, exc)
+            return None
 
     def _hold(self, lease: Lease | None) -> Lease | None:
         if lease is not None:
@@ -186,19 +203,26 @@ class SaveJob:
         tensors = [planner.resolve_data(i).detach() for i in tensor_items]
         specs = [ItemSpec(entry_name(i.index), t.dtype, tuple(t.shape), nbytes_of(t))
                  for i, t in zip(tensor_items, tensors, strict=True)]
-        draft = plan_layout(specs + [ItemSpec(entry_name(i.index), None, (_SIZE_BOUND,),
-                                              _SIZE_BOUND) for i in raw_items])
+        entries = specs + [ItemSpec(entry_name(i.index), None, (_SIZE_BOUND,), _SIZE_BOUND)
+                           for i in raw_items]
+        draft = plan_layout(entries)
+        if self.slot is not None and draft.data_start <= self.slot.room:
+            draft = plan_layout(entries, header_len=self.slot.room)  # the data where it lies
         where = {p.spec.name: draft.data_start + p.begin for p in draft.placements if p.spec}
         offsets = [where[s.name] for s in specs]
         tensors = self._host_copies(tensors, [o - draft.data_start for o in offsets])
-        file = DataFile(self.directory / name, direct_io, self.engine.io, self.engine.bounce.pool,
-                        self.engine.submit)
+        in_slot = self._in_slot(tensors, offsets, draft.data_start)
+        path = self.slot.adopt(self.directory / name) if in_slot else self.directory / name
+        file = DataFile(path, direct_io, self.engine.io, self.engine.bounce.pool,
+                        self.engine.submit, create=not in_slot)
         sums = _Sums([])
         try:
-            file.preallocate(max((o + nbytes_of(t) for o, t in zip(offsets, tensors, strict=True)),
-                                 default=draft.data_start))
-            file.write([Piece(o, t.data_ptr(), nbytes_of(t), self._lease_of(t))
-                        for o, t in zip(offsets, tensors, strict=True)])
+            if not in_slot:  # in the slot, the snapshot is the file's data already
+                file.preallocate(max((o + nbytes_of(t) for o, t in zip(offsets, tensors,
+                                                                      strict=True)),
+                                     default=draft.data_start))
+                file.write([Piece(o, t.data_ptr(), nbytes_of(t), self._lease_of(t))
+                            for o, t in zip(offsets, tensors, strict=True)])
             sums += _checksums(self.engine, [(t.data_ptr(), nbytes_of(t)) for t in tensors])
             raws = [f.result() for f in serialized]
             final = draft if not raw_items else plan_layout(
@@ -342,6 +366,20 @@ class SaveJob:
             lease.release()
         if claim is not None:
             claim.release()
+
+    def _in_slot(self, tensors: list[torch.Tensor], offsets: list[int], data_start: int) -> bool:
+        """Whether every tensor lies in the job's slot where the data file puts it (the
+        snapshot went there, in the file's order, and the header fits the slot's room)."""
+        slot = self.slot
+        if slot is None or slot.arena is None or not tensors:
+            return False
+        if data_start != slot.room:
+            slot.need_room(data_start)
+            log.info("dcp_datastates: save %d: the header (%d bytes) exceeds the room of "
+                     "memory-tier slot %s; copied this time, room made for the next save",
+                     self.id, data_start, slot.home)
+            return False
+        return all(t.data_ptr() == slot.addr + o for t, o in zip(tensors, offsets, strict=True))
 
     def _lease_of(self, t: torch.Tensor) -> Lease | None:
         ptr = t.data_ptr()

@@ -3,7 +3,9 @@
 Every ``save(step, state)`` is a lazy snapshot (``dcp.async_save`` with a fresh
 :class:`~dcp_datastates.DataStatesWriter`) committed into the memory tier: one checkpoint of
 this rank's state under ``memory_dir/step_<N>`` (tmpfs by default), which outlives the training
-process but not the node. Some of them are persisted: copied in the background to
+process but not the node. On tmpfs the snapshot is copied straight into a slot file of the tier
+(``slots.py``) that becomes the step's data file, so a memory-tier checkpoint costs no more
+than its snapshot. Some of them are persisted: copied in the background to
 ``durable_dir/step_<N>`` and committed there as one checkpoint of the whole job. Restores take
 the newest step complete on every rank from the fastest tier that holds it.
 
@@ -31,15 +33,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ..directory import memory_backed
 from ..engine import Engine, default_engine
 from ..errors import CheckpointError
 from ..host_cache import round_up
 from ..reader import DataStatesReader
 from ..sizes import format_size, parse_size
-from ..snapshot import nbytes_of, walk
+from ..snapshot import layout, nbytes_of, walk
 from ..writer import DataStatesWriter
 from . import replica
 from .persist import persist_part
+from .slots import Slot, SlotPool
 from .steps import (
     TierRecord,
     committed,
@@ -49,6 +53,7 @@ from .steps import (
     size_of,
     step_dir,
     steps,
+    uncommit,
 )
 
 log = logging.getLogger("dcp_datastates")
@@ -106,7 +111,7 @@ class CheckpointManager:
             ``/dev/shm/dcp_datastates/<hash of durable_dir>/rank_<rank>``. Give every rank of
             a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (each rank keeps this many, plus one being
-            written: size the tier for ``keep_memory + 1`` states).
+            written and one being persisted: size the tier for ``keep_memory + 2`` states).
         keep_durable: durable checkpoints kept (None: all).
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
             as its file system has free. A save that would not fit fails before writing.
@@ -153,6 +158,9 @@ class CheckpointManager:
         self._replica_group = dist.new_group(backend="gloo") if self.replicate else None
         if replicate and self.world == 1:
             log.info("dcp_datastates: replicate=True with one rank: no peer to replicate to")
+        # on tmpfs, snapshots go straight into slot files that become the steps' data files
+        self._slots = (SlotPool(self.engine, self.memory, keep_memory + 2)
+                       if memory_backed(self.memory) else None)
         self._after = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-tier")
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-persist")
         self._persisting: Future | None = None
@@ -163,6 +171,7 @@ class CheckpointManager:
         self._handles: list[SaveHandle] = []
         self._unreported: list[BaseException] = []  # errors of saves that wait() has to raise
         self.history: list[SaveFigures] = []
+        self._closed = False
         # DCP warns at every call with no_dist=True, which every memory-tier save and load is
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
         self._persist_leftover("committed in memory by an earlier process")
@@ -182,18 +191,22 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         start = time.perf_counter()
-        state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-        handle = self._start_save(step, state, start)
+        state = _plain(state)
+        slot = self._slots.take() if self._slots is not None else None
+        handle = self._start_save(step, state, start, slot)
         self._saves += 1
         self._maybe_persist(handle)
-        self._after.submit(self._after_commit, handle, start)
+        self._after.submit(self._after_commit, handle, start, slot)
         self._handles.append(handle)
         return handle
 
-    def _start_save(self, step: int, state: dict, start: float) -> SaveHandle:
+    def _start_save(self, step: int, state: dict, start: float,
+                    slot: Slot | None) -> SaveHandle:
         directory = step_dir(self.memory, step)
         try:
-            need = _state_bytes(state) + SLACK_BYTES
+            nbytes = _state_bytes(state)
+            reuse = slot.nbytes if slot is not None else 0  # on the tier already
+            need = max(0, nbytes - reuse) + SLACK_BYTES
             free = self._room()
             if need > free:
                 raise TierFullError(
@@ -203,7 +216,8 @@ class CheckpointManager:
                     f"NVMe) or keep fewer checkpoints (keep_memory={self.keep_memory})")
             directory.mkdir(parents=True, exist_ok=True)
             TierRecord(step, self.rank, self.world).write(directory)
-            writer = DataStatesWriter(directory, engine=self.engine, overwrite=True)
+            writer = DataStatesWriter(directory, engine=self.engine, overwrite=True,
+                                      snapshot_into=slot)
             response = dcp.async_save(state, checkpoint_id=str(directory),
                                       storage_writer=writer, no_dist=True,
                                       process_group=self._group)
@@ -214,7 +228,7 @@ class CheckpointManager:
             return SaveHandle(step, failed, failed)
         handle = SaveHandle(step, response.staging_completion, response.upload_completion)
         handle.figures.blocked_s = time.perf_counter() - start
-        handle.figures.bytes = need
+        handle.figures.bytes = nbytes
         handle.staged.add_done_callback(
             lambda _f: setattr(handle.figures, "snapshot_s", time.perf_counter() - start))
         return handle
@@ -227,6 +241,7 @@ class CheckpointManager:
             return free
         roots = [self.memory, *(replica.replica_root(self.memory, r) for r in range(self.world))]
         used = sum(size_of(step_dir(root, s)) for root in roots for s in steps(root))
+        used += self._slots.free_bytes() if self._slots is not None else 0
         return max(0, min(free, self.memory_limit - used))
 
     def _maybe_persist(self, handle: SaveHandle) -> None:
@@ -272,9 +287,11 @@ class CheckpointManager:
             log.info("dcp_datastates: step %d persisted to %s", step, target)
             self._retain(self.durable, self.keep_durable)
 
-    def _after_commit(self, handle: SaveHandle, start: float) -> None:
-        """In save order: the figures, the memory tier's retention, the peer replica."""
+    def _after_commit(self, handle: SaveHandle, start: float, slot: Slot | None) -> None:
+        """In save order: the slot, the figures, the memory tier's retention, the replica."""
         ok = _ok(handle.committed)
+        if slot is not None:
+            self._slots.settle(slot, step_dir(self.memory, handle.step), ok)
         if ok:
             handle.figures.memory_s = time.perf_counter() - start
             self.history.append(handle.figures)
@@ -303,7 +320,21 @@ class CheckpointManager:
         drop = [s for s in steps(root) if s not in busy and (
             s in done[:-keep] or (s < newest and s not in done))]
         for s in drop:
-            remove_step(step_dir(root, s))
+            directory = step_dir(root, s)
+            if root == self.memory and self._slots is not None:
+                uncommit(directory)  # before its data file goes back to being a free slot
+                self._slots.reclaim(directory)
+            remove_step(directory)
+
+    def prepare(self, state: dict) -> None:
+        """Map and pin the memory tier's slots for states like ``state`` now (about 0.5 s per
+        GiB each on a GPU host), rather than on the staging thread of the first saves."""
+        if self._slots is None:
+            return
+        sources: list[torch.Tensor] = []
+        walk(_plain(state), sources, {}, set())
+        _offsets, total = layout(sources)
+        self._slots.prepare(total, len(sources))
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for_snapshots(self) -> None:
@@ -338,7 +369,10 @@ class CheckpointManager:
         """Wait for every save, persist the newest if the durable tier lacks it, then stop
         the manager's threads (the engine stays). Raises the first error of the saves not yet
         reported, after all that: a save that failed on some ranks only must not keep them out
-        of the collective that the others are in."""
+        of the collective that the others are in. Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._drain()
             self._persist_leftover("the newest checkpoint")
@@ -346,6 +380,8 @@ class CheckpointManager:
         finally:
             self._after.shutdown(wait=True)
             self._persister.shutdown(wait=True)
+            if self._slots is not None:
+                self._slots.close()
         self._raise_unreported()
 
     def __enter__(self) -> CheckpointManager:
@@ -480,6 +516,11 @@ class _Reading:
 def _default_memory_dir(durable: Path | None, rank: int) -> Path:
     tag = hashlib.sha1(str(durable).encode()).hexdigest()[:12]
     return Path("/dev/shm/dcp_datastates") / tag / f"rank_{rank}"
+
+
+def _plain(state: dict) -> dict:
+    """``state`` with its ``Stateful`` values replaced by their state dicts (as DCP does)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 
 def _state_bytes(state: dict) -> int:

@@ -95,10 +95,15 @@ def complete(directory: Path) -> bool:
     return True
 
 
+def uncommit(directory: Path) -> None:
+    """Remove a step's ``.metadata``: from then on it is not a checkpoint."""
+    (directory / METADATA_NAME).unlink(missing_ok=True)
+
+
 def remove_step(directory: Path) -> None:
     """Delete a step directory: ``.metadata`` first, so a half-removed step is never taken
     for a committed one."""
-    (directory / METADATA_NAME).unlink(missing_ok=True)
+    uncommit(directory)
     shutil.rmtree(directory, ignore_errors=True)
 
 
