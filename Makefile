@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-APT_PACKAGES := cmake gcc make liburing-dev openmpi-bin libopenmpi-dev
+APT_PACKAGES := cmake gcc make liburing-dev libxxhash-dev openmpi-bin libopenmpi-dev
 SHIM := dcp_datastates/_lib/libdcp_uring.so
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 600 mpirun --oversubscribe
 MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py tests/test_tiers_mpi.py
@@ -35,9 +35,10 @@ $(VENV)/.layout: FORCE
 	@mkdir -p $(VENV); echo '$(strip $(LAYOUT))' | cmp -s - $@ || echo '$(strip $(LAYOUT))' >$@
 FORCE:
 
-## native: rebuild the io_uring shim ($(SHIM), liburing linked statically) after native/ changes
+## native: rebuild the native libraries after native/ changes: the io_uring shim ($(SHIM),
+## liburing linked statically) and libdcp_hash.so (checksums without the GIL)
 native: $(SHIM)
-$(SHIM): native/dcp_uring.c native/dcp_uring.h CMakeLists.txt | setup
+$(SHIM): native/dcp_uring.c native/dcp_uring.h native/dcp_hash.c CMakeLists.txt | setup
 	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 	cmake --build build -j 2
 	@[ ! -f $@ ] || touch $@  # without liburing there is no shim: the thread backend is used

@@ -1,8 +1,16 @@
-"""Per-block checksums of item bytes (xxHash XXH3-64), so partial reads can be verified too."""
+"""Per-block checksums of item bytes (xxHash XXH3-64), so partial reads can be verified too.
+
+Blocks are hashed by ``libdcp_hash.so`` (built beside the io_uring shim) where it is there:
+ctypes releases the GIL around it, so blocks are hashed on every I/O thread at once, next to
+the training loop. Without it, the xxhash Python package (which holds the GIL) does the same.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+from pathlib import Path
 
 import xxhash
 
@@ -12,6 +20,24 @@ from .errors import CheckpointCorruptError
 BLOCK_BYTES = 16 << 20
 
 
+log = logging.getLogger("dcp_datastates")
+NATIVE_PATH = Path(__file__).resolve().parent / "_lib" / "libdcp_hash.so"
+
+
+@functools.cache
+def native() -> ctypes.CDLL | None:
+    """``libdcp_hash.so``, loaded once (None where it was not built; logged once)."""
+    try:
+        lib = ctypes.CDLL(str(NATIVE_PATH))
+    except OSError as exc:
+        log.info("dcp_datastates: checksums with the xxhash package (holds the GIL): %s", exc)
+        return None
+    lib.dsh_xxh3_blocks.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                    ctypes.POINTER(ctypes.c_uint64)]
+    lib.dsh_xxh3_blocks.restype = None
+    return lib
+
+
 def memory_at(addr: int, nbytes: int) -> memoryview:
     """A writable memoryview of ``nbytes`` at address ``addr`` (the caller keeps it alive)."""
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
@@ -19,10 +45,23 @@ def memory_at(addr: int, nbytes: int) -> memoryview:
 
 def block_checksums(addr: int, nbytes: int, block: int = BLOCK_BYTES) -> list[int]:
     """XXH3-64 of each ``block``-byte block of ``nbytes`` at ``addr`` (one for an empty item)."""
+    lib = native()
+    if lib is not None:
+        out = (ctypes.c_uint64 * max(1, -(-nbytes // block)))()
+        lib.dsh_xxh3_blocks(addr or None, nbytes, block, out)
+        return list(out)
     if nbytes == 0:
         return [xxhash.xxh3_64_intdigest(b"")]
     mem = memory_at(addr, nbytes)
     return [xxhash.xxh3_64_intdigest(mem[i : i + block]) for i in range(0, nbytes, block)]
+
+
+def _digest(data: memoryview) -> int:
+    """XXH3-64 of ``data`` (natively where the buffer is writable, so its address is known)."""
+    if native() is not None and len(data) and not data.readonly:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(data))
+        return block_checksums(addr, len(data), len(data))[0]
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def verify_span(
@@ -46,12 +85,16 @@ def verify_span(
         return
     for k in range(lo // block, -(-hi // block)):
         b0, b1 = k * block, min((k + 1) * block, length)
-        hasher = xxhash.xxh3_64()
-        for start, data in segments:
-            s0, s1 = max(b0, start), min(b1, start + len(data))
-            if s0 < s1:
-                hasher.update(data[s0 - start : s1 - start])
-        if k >= len(expected) or hasher.intdigest() != expected[k]:
+        parts = [data[s0 - start : s1 - start] for start, data in segments
+                 for s0, s1 in [(max(b0, start), min(b1, start + len(data)))] if s0 < s1]
+        if len(parts) == 1:
+            digest = _digest(parts[0])
+        else:
+            hasher = xxhash.xxh3_64()
+            for part in parts:
+                hasher.update(part)
+            digest = hasher.intdigest()
+        if k >= len(expected) or digest != expected[k]:
             raise CheckpointCorruptError(
                 f"{what}: checksum mismatch in item bytes {b0}..{b1}; the data file is corrupt"
             )

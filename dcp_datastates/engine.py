@@ -63,7 +63,8 @@ class Engine:
             larger than the snapshot cache stages the rest in pageable memory (logged).
         io_backend: ``"auto"``, ``"uring"``, ``"threads"`` (``$DCP_DATASTATES_IO`` overrides),
             or a backend object (tests inject fakes); the engine closes only a backend it made.
-        io_workers: threads that keep flush and restore I/O in flight.
+        io_workers: threads that keep flush and restore I/O in flight (and as many that
+            compute the checksums of saves).
 
     Caches are mapped, pinned and registered on the engine's staging thread (or the first
     flush/load), never on the thread that calls ``async_save``.
@@ -93,6 +94,8 @@ class Engine:
             log.warning("dcp_datastates: %s", why)
         self.stage_pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
         self.io_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-io")
+        # checksums: never queued behind long writes (a persist's) on the I/O threads
+        self.hash_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-hash")
         self.io_workers = io_workers
         self._lock = threading.Condition()
         self._grow_lock = threading.Lock()
@@ -343,6 +346,11 @@ class Engine:
         self._check_open()
         return self.io_pool.submit(fn, *args)
 
+    def compute(self, fn: Callable, *args: object):
+        """Run ``fn(*args)`` on the checksum threads."""
+        self._check_open()
+        return self.hash_pool.submit(fn, *args)
+
     # -- lifetime -------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self.closed:
@@ -371,6 +379,7 @@ class Engine:
         self._watcher.join()
         self.stage_pool.shutdown(wait=True)
         self.io_pool.shutdown(wait=True)
+        self.hash_pool.shutdown(wait=True)
         with self._grow_lock:
             arenas = [a for a in (self._snapshot, self._bounce, *self._retiring) if a]
             files, self._file_arenas = self._file_arenas, []

@@ -435,7 +435,7 @@ def _address(data: bytes | memoryview) -> tuple[int, int]:
 
 
 def _checksums(engine: object, spans: list[tuple[int, int]]) -> _Sums:
-    """Start per-block checksums of ``spans`` on the I/O threads, in batches."""
+    """Start per-block checksums of ``spans`` on the checksum threads, in batches."""
     batches: list[list[tuple[int, int]]] = [[]]
     size = 0
     for span in spans:
@@ -444,7 +444,7 @@ def _checksums(engine: object, spans: list[tuple[int, int]]) -> _Sums:
             size = 0
         batches[-1].append(span)
         size += span[1]
-    return _Sums([engine.submit(_sum_batch, b) for b in batches if b])
+    return _Sums([engine.compute(_sum_batch, b) for b in batches if b])
 
 
 def _sum_batch(spans: list[tuple[int, int]]) -> list[list[int]]:

@@ -1,0 +1,58 @@
+"""Checksums: libdcp_hash.so gives xxHash's own XXH3-64 digests, block by block, so checkpoints
+written with either implementation verify with the other."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import xxhash
+from conftest import MARKS
+
+from dcp_datastates import checksums
+from dcp_datastates.errors import CheckpointCorruptError
+
+pytestmark = MARKS
+BLOCK = 1 << 16
+
+
+@pytest.fixture(scope="module")
+def data() -> torch.Tensor:
+    return torch.randint(0, 256, (5 * BLOCK + 123,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(3))
+
+
+def reference(mem: memoryview, block: int) -> list[int]:
+    if not len(mem):
+        return [xxhash.xxh3_64_intdigest(b"")]
+    return [xxhash.xxh3_64_intdigest(mem[i : i + block]) for i in range(0, len(mem), block)]
+
+
+def test_native_library_is_built_and_loaded() -> None:
+    if not checksums.NATIVE_PATH.is_file():
+        pytest.skip("libdcp_hash.so not built (no xxhash.h here)")
+    assert checksums.native() is not None
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 123])
+def test_block_digests_equal_xxhash(data: torch.Tensor, nbytes: int) -> None:
+    mem = memoryview(data.numpy()).cast("B")[:nbytes]
+    assert checksums.block_checksums(data.data_ptr(), nbytes, BLOCK) == reference(mem, BLOCK)
+
+
+def test_verify_span_takes_native_and_split_blocks_and_names_the_bad_one(
+        data: torch.Tensor) -> None:
+    n = data.numel()
+    sums = tuple(checksums.block_checksums(data.data_ptr(), n, BLOCK))
+    whole = checksums.memory_at(data.data_ptr(), n)
+    checksums.verify_span([(0, whole)], sums, BLOCK, n, "item")
+    cut = BLOCK + 100  # a block assembled from two segments
+    checksums.verify_span([(0, whole[:cut]), (cut, whole[cut:])], sums, BLOCK, n, "item")
+    copy = bytearray(whole)
+    copy[2 * BLOCK + 7] ^= 1
+    bad = memoryview(copy)
+    with pytest.raises(CheckpointCorruptError,
+                       match=rf"item: checksum mismatch in item bytes {2 * BLOCK}\.\.{3 * BLOCK}"):
+        checksums.verify_span([(0, bad)], sums, BLOCK, n, "item")
+    ctypes.memset(data.data_ptr(), 0, 0)  # the fixture's bytes are untouched
