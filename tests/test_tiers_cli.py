@@ -27,6 +27,7 @@ from test_tiers import ROOT, TESTS, Tiers, make_state, run_and_kill, steps_in
 
 from dcp_datastates import CheckpointManager, Engine, cli
 from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.tiers.steps import name_steps
 
 MiB = 1 << 20
 
@@ -203,6 +204,19 @@ def test_uncommitted_and_damaged_steps_are_refused(tiers: Tiers, engine: Engine,
     assert code == 0 and out.startswith("persisted step 5 "), err
     assert f"note: {tiers.memory / 'step_6'} was never committed" in err
     assert_state_equal(load_into(one_step, tiers.durable / "step_5"), one_step)
+
+
+def test_persist_into_a_torchtitan_folder(tiers: Tiers, engine: Engine, one_step: dict,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A durable tier that names its steps as torchtitan does (set up by the torchtitan
+    adapter) gets step-<N>."""
+    name_steps(tiers.durable, "step-")
+    code, out, err = persist(capsys, engine, tiers.memory, tiers.durable)
+    assert code == 0, err
+    assert f"to {tiers.durable / 'step-5'}; it is committed" in out
+    assert sorted(p.name for p in tiers.durable.iterdir() if p.name.startswith("step")) == [
+        "step-5"]
+    assert_state_equal(load_into(one_step, tiers.durable / "step-5"), one_step)
 
 
 # -- two ranks -----------------------------------------------------------------------------------
