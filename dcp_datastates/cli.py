@@ -1,4 +1,5 @@
-"""``python -m dcp_datastates``: inspect, verify and export DataStates checkpoints."""
+"""``python -m dcp_datastates``: inspect, verify and export DataStates checkpoints; persist
+what a job left in its memory tiers."""
 
 from __future__ import annotations
 
@@ -469,6 +470,48 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- persist ------------------------------------------------------------------------------------
+def _step(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
+    return step
+
+
+def cmd_persist(args: argparse.Namespace) -> int:
+    """Persist a step committed in memory tiers (a job that died) into the durable tier."""
+    from .engine import Engine
+    from .tiers.offline import persist_job
+
+    memory = [_path(m) for m in args.memory]
+    durable = _path(args.durable)
+    engine = args.engine if args.engine is not None else Engine()
+    try:
+        outcome = persist_job(engine, memory, durable, args.step, partial=args.partial)
+    finally:
+        if args.engine is None:
+            engine.close()
+    for note in outcome.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if not outcome.written:
+        print(f"nothing to persist: {outcome.reason}")
+        return 0
+    ranks = sorted(src.rank for src in outcome.written)
+    what = (f"step {outcome.step} ({len(ranks)} of {outcome.world_size} rank(s), "
+            f"{format_size(outcome.bytes)}) in {outcome.seconds:.2f} s")
+    if outcome.committed:
+        print(f"persisted {what} to {outcome.target}; it is committed")
+        return 0
+    print(f"wrote the part(s) of rank(s) {', '.join(map(str, ranks))} of {what} to "
+          f"{outcome.target}; it is committed once rank(s) "
+          f"{', '.join(map(str, outcome.missing))} add theirs (run this command with --step "
+          f"{outcome.step} --partial where their memory tiers are)")
+    return 0
+
+
 # -- entry point --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m dcp_datastates`` argument parser."""
@@ -514,12 +557,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip checksum checks while reading")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "persist", help="persist a step that a job left in its memory tiers",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Persist a checkpoint that CheckpointManager committed into memory tiers but did\n"
+            "not persist (the process died, or persist=None) to the durable tier, as the next\n"
+            "manager on the same directories would: every rank's part is copied to\n"
+            "DURABLE_DIR/step_<N> (step-<N> in a torchtitan folder set up by the adapter)\n"
+            "and their metadata merged into one .metadata, committed last. Without --step:\n"
+            "the newest step complete in the memory tiers given, if it is newer than every\n"
+            "step committed in DURABLE_DIR.\n\n"
+            "MEMORY_DIR is one rank's memory tier (holding step_<N> directories, e.g.\n"
+            "/dev/shm/dcp_datastates/<hash>/rank_0) or a job's memory root holding rank_<r>\n"
+            "tiers (/dev/shm/dcp_datastates/<hash>); give several to name the tiers of every\n"
+            "rank. A rank's part comes from its own tier, else from a peer's replica of it\n"
+            "(replicate=True), else from a part already in DURABLE_DIR/step_<N>. With the\n"
+            "ranks spread over several nodes and no replicas, run it on each node with\n"
+            "--step N --partial: each writes its ranks' parts, the last commits the step.\n\n"
+            "Everything is checked before anything is written. Run it when no job is using\n"
+            "these directories. Exits 0 when the step is persisted or nothing was needed,\n"
+            "1 (naming the path) for a missing directory, a step not committed, a rank\n"
+            "missing or damaged."))
+    p.add_argument("memory", nargs="+", metavar="MEMORY_DIR",
+                   help="a rank's memory tier, or a job's memory root of rank_<r> tiers")
+    p.add_argument("durable", metavar="DURABLE_DIR",
+                   help="the durable tier (CheckpointManager's durable_dir; created if its "
+                        "parent exists)")
+    p.add_argument("--step", type=_step, default=None,
+                   help="the step to persist (default: the newest complete one)")
+    p.add_argument("--partial", action="store_true",
+                   help="write the parts found even if other ranks' are missing (needs --step)")
+    p.set_defaults(func=cmd_persist)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit code."""
+def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
+    """Run the command line; return the exit code. ``engine``: the Engine that ``persist``
+    copies with (default: one of its own)."""
     args = build_parser().parse_args(argv)
+    args.engine = engine
     try:
         return args.func(args)
     except (OSError, ValueError, CheckpointError) as exc:

@@ -12,7 +12,10 @@ saves); ``test_fsdp2_async_manager_multi_rank`` runs under mpirun with the other
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -118,8 +121,8 @@ class Run:
 
     def manager(self, folder: Path, mode: str, cls: type = CheckpointManager,
                 build: dict | None = None, **config: object) -> CheckpointManager:
-        cfg = cls.Config(enable=True, folder="ckpt", interval=2, async_mode=mode,
-                         keep_latest_k=0, last_save_model_only=False, **config)
+        cfg = cls.Config(**{"enable": True, "folder": "ckpt", "interval": 2, "async_mode": mode,
+                            "keep_latest_k": 0, "last_save_model_only": False, **config})
         return cfg.build(dataloader=self.dataloader, model_parts=[self.model],
                          optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
                          states={"train_state": self.train_state}, sd_adapter=None,
@@ -187,7 +190,8 @@ def hold_snapshot(engine: Engine, delay: float = STAGING_DELAY) -> threading.Eve
 
 
 def step_dirs(folder: Path) -> list[str]:
-    return sorted(p.name for p in (folder / "ckpt").iterdir())
+    """The step folders torchtitan sees in the checkpoint folder."""
+    return sorted(p.name for p in (folder / "ckpt").iterdir() if p.name.startswith("step-"))
 
 
 # -- single process ------------------------------------------------------------------------------
@@ -275,6 +279,7 @@ def test_config_subclass(one_rank: None, tmp_path: Path) -> None:
     assert isinstance(manager, DataStatesCheckpointManager)
     ds = manager.datastates
     assert ds.owns_engine and ds.engine.fixed_size == 16 << 20 and ds.engine.io.name == "threads"
+    assert ds.tiers is None, "no memory tier unless the config asks for one"
     assert enable_datastates(manager) is ds  # a second call changes nothing
     for step in (1, 2):
         run.step(step, manager)
@@ -342,6 +347,146 @@ def test_disabled_manager_is_left_alone(one_rank: None, tmp_path: Path) -> None:
                         base_folder=str(tmp_path))
     assert enable_datastates(manager) is None
     assert not hasattr(manager, "datastates")
+
+
+# -- memory tier ---------------------------------------------------------------------------------
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A job's memory root under /dev/shm."""
+    made = Path(tempfile.mkdtemp(prefix="dcp_titan_tier_", dir="/dev/shm"))
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
+
+
+def tiered(run: Run, folder: Path, shm: Path, engine: Engine, mode: str = "async",
+           **config: object) -> DataStatesCheckpointManager:
+    """A DataStatesCheckpointManager with a memory tier under ``shm``."""
+    return run.manager(folder, mode, cls=DataStatesCheckpointManager, build={"engine": engine},
+                       memory_tier=True, memory_dir=str(shm), **config)
+
+
+def restored(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage().split(" in ")[0] for r in caplog.records
+            if r.name == "dcp_datastates" and r.getMessage().startswith("dcp_datastates: restored")]
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_tier_persists_and_restart_loads_from_memory(one_rank: None, tmp_path: Path,
+                                                            shm: Path, engine: Engine,
+                                                            caplog: pytest.LogCaptureFixture,
+                                                            mode: str) -> None:
+    """Saves go into the memory tier; every 2nd save (persist_interval 4, interval 2) is
+    persisted to the folder as step-<N>. A run that stops without closing (as a crashed one
+    does) left step 10 in memory only: the restart loads it from memory (stock torchtitan would
+    take step 8) and persists it; torchtitan's own loader loads the persisted steps; both runs
+    then take the same next step bit for bit."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    run = Run(seed=0)
+    manager = tiered(run, tmp_path, shm, engine, mode, persist_interval=4)
+    tiers = manager.datastates.tiers
+    assert tiers is not None and tiers.memory == shm / "rank_0"
+    saved = {}
+    for step in range(1, 11):
+        run.step(step, manager)
+        manager.save(step)
+        if step % 2 == 0:
+            saved[step] = run.snapshot()
+            tiers.wait()  # the memory commit and the persist, if any: the test is exact
+    assert step_dirs(tmp_path) == ["step-4", "step-8"]
+    assert sorted(p.name for p in tiers.memory.iterdir()) == ["step_10", "step_8"]
+    assert manager._find_load_step() == 8, "torchtitan itself sees the persisted steps"
+
+    # restart (the first run never closed: its newest step was not persisted)
+    again = Run(seed=1)
+    other = tiered(again, tmp_path, shm, engine, mode, persist_interval=4)
+    assert other.load()
+    assert restored(caplog) == ["dcp_datastates: restored step 10 from the memory tier (" +
+                                str(shm / "rank_0" / "step_10") + ")"]
+    assert differences(again.snapshot(), saved[10], "from memory") == []
+    other.datastates.tiers.wait()  # the restarted run persisted step 10 meanwhile
+    assert step_dirs(tmp_path) == ["step-10", "step-4", "step-8"]
+    run.step(11, manager)
+    again.step(11, other)
+    assert differences(again.snapshot(), run.snapshot(), "step 11 after the restart") == []
+
+    # the persisted checkpoints, through torchtitan's own load (the latest, and by step)
+    plain = Run(seed=2)
+    stock = plain.manager(tmp_path, "disabled", cls=DataStatesCheckpointManager,
+                          build={"engine": engine})
+    assert stock.load()
+    assert differences(plain.snapshot(), saved[10], "persisted step 10") == []
+    assert stock.load(step=4)
+    assert differences(plain.snapshot(), saved[4], "persisted step 4") == []
+    for m in (manager, other, stock):
+        m.close()
+    assert not engine.closed
+
+
+@pytest.mark.mpi_skip
+def test_memory_tier_last_step_goes_to_the_folder_and_purges(one_rank: None, tmp_path: Path,
+                                                             shm: Path, engine: Engine) -> None:
+    """The last step's checkpoint is written to the folder directly (as torchtitan does; it
+    purges nothing then); keep_latest_k applies to the persisted steps as each persist
+    commits; the memory tier keeps memory_keep."""
+    run = Run(seed=0)
+    manager = tiered(run, tmp_path, shm, engine, keep_latest_k=2, memory_keep=3,
+                     persist_interval=2)
+    tiers = manager.datastates.tiers
+    for step in range(1, 10):
+        run.step(step, manager)
+        manager.save(step, last_step=step == 9)
+        if step % 2 == 0:
+            tiers.wait()
+    expected = run.snapshot()
+    manager.close()
+    assert step_dirs(tmp_path) == ["step-6", "step-8", "step-9"]
+    assert sorted(p.name for p in tiers.memory.iterdir()) == ["step_4", "step_6", "step_8"]
+    assert is_datastates_checkpoint(tmp_path / "ckpt" / "step-9")
+    again = Run(seed=1)
+    other = tiered(again, tmp_path, shm, engine, persist_interval=2)
+    assert other.load()  # step 9: only the folder holds it
+    assert differences(again.snapshot(), expected, "last step") == []
+    other.close()
+
+
+@pytest.mark.mpi_skip
+def test_memory_tier_full_skips_the_save_and_training_goes_on(one_rank: None, tmp_path: Path,
+                                                             shm: Path, engine: Engine,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    """A memory tier without room for a checkpoint: torchtitan's save returns, waiting for it
+    raises nothing, training and close() go on; the error is logged, naming the tier."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    run = Run(seed=0)
+    manager = tiered(run, tmp_path, shm, engine, memory_limit="1MiB")
+    for step in range(1, 6):
+        run.step(step, manager)
+        assert manager.save(step) == (step % 2 == 0)
+        manager.maybe_wait_for_saving()  # no error: the save was skipped
+    run.step(6, manager)  # training goes on
+    manager.close()  # no error either
+    assert step_dirs(tmp_path) == []
+    assert list((shm / "rank_0").iterdir()) == []
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2, errors
+    for step, error in zip((2, 4), errors, strict=True):
+        assert error.startswith(f"dcp_datastates: checkpoint of step {step} not taken: memory "
+                                f"tier {shm / 'rank_0'} has "), error
+        assert "Nothing was written" in error
+
+
+@pytest.mark.mpi_skip
+def test_memory_tier_config_is_checked(one_rank: None, tmp_path: Path, shm: Path,
+                                       engine: Engine) -> None:
+    run = Run(seed=0)
+    with pytest.raises(ValueError, match=r"checkpoint\.persist_interval must be 0 or a multiple "
+                                         r"of checkpoint\.interval \(2\), got 3"):
+        tiered(run, tmp_path, shm, engine, persist_interval=3)
+    (tmp_path / "ckpt" / "step_5").mkdir(parents=True)
+    with pytest.raises(ValueError, match="holds step directories named step_<N>"):
+        tiered(run, tmp_path, shm, engine)
+    assert not engine.closed
 
 
 # -- several ranks (mpirun) ----------------------------------------------------------------------

@@ -42,6 +42,24 @@ What each ``checkpoint.async_mode`` does then:
   (an older checkpoint of the same run written by stock torchtitan, a seed checkpoint) with
   DCP's default reader, so a running job can switch.
 
+Memory tier (``DataStatesCheckpointManager.Config(memory_tier=True, ...)``): each save goes
+into node memory through a :class:`dcp_datastates.CheckpointManager` (``save()`` waits for no
+storage write; the next save waits only for that memory commit) and some are persisted in the
+background to the checkpoint folder as ``step-<N>``, the name torchtitan finds, loads and purges
+(``keep_latest_k`` counts them; the manager also applies it as each persist commits).
+``persist_interval`` picks which: 0 whenever the previous persist has finished, else every
+``persist_interval / interval``-th save. The last step's save (model-only, HF) is written
+straight to the folder as before, and ``close()`` persists the newest step if the folder lacks
+it. ``load()`` of the latest step restores the newest step complete on every rank from the
+fastest tier (memory after a crash or a torchrun restart on the same nodes, else the folder),
+so a restart takes the step in memory even when its persist had not happened; a step in memory
+that was never persisted is persisted by the next run (or by ``python -m dcp_datastates
+persist``). For this the subclass overrides torchtitan's ``_save`` and ``_load`` hooks (the
+ones its ``BaseCheckpointManager`` names for subclasses), calling torchtitan's own for what it
+does not handle (seed checkpoints, checkpoints stock torchtitan wrote, HF). A save the memory
+tier has no room for is logged and skipped; training goes on. ``enable_datastates`` has no
+memory tier.
+
 Limits: checkpoint folders must be on a POSIX file system (local or shared), not an fsspec URL.
 State that forward or backward change in place (e.g. BatchNorm running statistics) would be
 copied mid-change by an overlapped snapshot: pass ``overlap=False`` for such models, which
@@ -52,15 +70,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 import threading
 import types
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.utils.hooks import RemovableHandle
 
 from ..directory import DATA_FILE_RE
@@ -68,12 +90,17 @@ from ..engine import Engine, default_engine
 from ..guard import guard
 from ..reader import DataStatesReader
 from ..stats import SaveStats
+from ..tiers import CheckpointManager as TierManager
+from ..tiers import TierFullError
+from ..tiers.steps import name_steps, step_dir
 from ..writer import DataStatesWriter
 
 log = logging.getLogger("dcp_datastates")
 
 #: torchtitan's keys of the model and the optimizers in ``CheckpointManager.states``.
 MODEL, OPTIMIZER = "model", "optimizer"
+#: How torchtitan names a step's checkpoint folder (``_create_checkpoint_id``).
+TORCHTITAN_STEP = re.compile(r"^step-(\d+)$")
 
 __all__ = ["DataStates", "DataStatesCheckpointManager", "enable_datastates",
            "is_datastates_checkpoint"]
@@ -91,10 +118,12 @@ def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
 class DataStates:
     """What a manager saves and loads with (``manager.datastates``).
 
-    ``engine`` serves every save and load; ``staging`` and ``upload`` are the latest async
-    save's futures (its snapshot copied; its checkpoint committed); ``last_stats()`` gives the
-    latest save's figures. ``close()`` (called when the manager closes: torchtitan closes its
-    ``stager``, which this object stands in for) waits for the save in flight, takes the
+    ``engine`` serves every save and load; ``tiers`` is the memory tier's manager (None without
+    one); ``staging`` and ``upload`` are the latest async save's futures (its snapshot copied;
+    its checkpoint committed: in the memory tier, with one); ``last_stats()`` gives the latest
+    direct save's figures (``tiers.history`` the memory tier's). ``close()`` (called when the
+    manager closes: torchtitan closes its ``stager``, which this object stands in for) waits
+    for the save in flight, closes the memory tier (persisting its newest step), takes the
     optimizer hook off and closes an engine the manager owns.
     """
 
@@ -104,9 +133,11 @@ class DataStates:
     direct_io: bool | None = None
     verify_checksums: bool = True
     overlap: bool = True
+    tiers: TierManager | None = None
     staging: Future | None = None
     upload: Future | None = None
     last_writer: DataStatesWriter | None = None
+    direct: bool = False  # the save in progress bypasses the memory tier (the last step's)
     _hook: RemovableHandle | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -139,14 +170,30 @@ class DataStates:
             self._closed = True
             hook, self._hook = self._hook, None
             upload, self.upload = self.upload, None
+            tiers, self.tiers = self.tiers, None
         try:
             if upload is not None:
                 upload.result()
         finally:
-            if hook is not None:
-                hook.remove()
-            if self.owns_engine:
-                self.engine.close()
+            try:
+                if tiers is not None:
+                    _close_tiers(tiers)
+            finally:
+                if hook is not None:
+                    hook.remove()
+                if self.owns_engine:
+                    self.engine.close()
+
+
+def _close_tiers(tiers: TierManager) -> None:
+    """Close the memory tier (it persists its newest step); a save it had no room for was
+    logged when it failed and is no error of the run's."""
+    if sys.is_finalizing():  # a manager never closed, collected at exit: its threads are gone
+        return
+    try:
+        tiers.close()
+    except TierFullError:
+        pass
 
 
 def _mode(async_mode: object) -> str:
@@ -162,7 +209,9 @@ def _datastates_save(manager: Any, stock_save: Callable[..., Any], state_dict: d
         return stock_save(state_dict, checkpoint_id=checkpoint_id, async_mode=async_mode,
                           enable_garbage_collection=enable_garbage_collection, to_hf=True)
     mode = _mode(async_mode)
-    if mode == "disabled":
+    if ds.tiers is not None and not ds.direct:
+        result = _tier_save(ds, state_dict, checkpoint_id, mode)
+    elif mode == "disabled":
         dcp.save(state_dict, checkpoint_id=checkpoint_id, storage_writer=ds.writer())
         result = None
     else:
@@ -181,6 +230,39 @@ def _datastates_save(manager: Any, stock_save: Callable[..., Any], state_dict: d
 
         GarbageCollection.collect("GC collection invoked by checkpointer.")
     return result
+
+
+def _tier_save(ds: DataStates, state_dict: dict[str, Any], checkpoint_id: str,
+               mode: str) -> Any:
+    """A save into the memory tier (persisted later, maybe): what torchtitan expects back for
+    ``mode``, its futures done once the memory commit is (a save the tier had no room for
+    counts as done: the manager logged it; training goes on)."""
+    match = TORCHTITAN_STEP.match(Path(checkpoint_id).name)
+    if match is None:
+        raise ValueError(f"{checkpoint_id}: not a torchtitan step folder (step-<N>)")
+    handle = ds.tiers.save(int(match.group(1)), state_dict)
+    ds.staging, ds.upload = _past_full(handle.staged), _past_full(handle.committed)
+    if mode == "disabled":
+        ds.upload.result()
+        return None
+    if not ds.overlap:
+        ds.staging.result()
+    return ds.upload if mode == "async" else AsyncSaveResponse(ds.staging, ds.upload)
+
+
+def _past_full(future: Future) -> Future:
+    """``future``, with a TierFullError (logged by the manager) turned into a plain result."""
+    out: Future = Future()
+
+    def settle(f: Future) -> None:
+        exc = f.exception()
+        if exc is None or isinstance(exc, TierFullError):
+            out.set_result(None)
+        else:
+            out.set_exception(exc)
+
+    future.add_done_callback(settle)
+    return out
 
 
 def _datastates_load(manager: Any, stock_load: Callable[..., Any], state_dict: dict[str, Any],
@@ -294,6 +376,33 @@ if _CheckpointManager is not None:
             overlap: bool = True
             """Let snapshots overlap the next forward/backward (False: wait inside save)."""
 
+            memory_tier: bool = False
+            """Save into node memory (dcp_datastates.CheckpointManager) and persist some of
+            the saves to the checkpoint folder in the background; restart from memory."""
+
+            memory_dir: str | None = None
+            """With memory_tier: the job's memory root (rank r uses memory_dir/rank_<r>; give a
+            node-local path, tmpfs or NVMe). None: /dev/shm/dcp_datastates/<hash of the
+            folder>/rank_<r>."""
+
+            memory_keep: int = 2
+            """With memory_tier: checkpoints each rank keeps in memory (size the tier for one
+            more, being written)."""
+
+            memory_limit: str | None = None
+            """With memory_tier: bytes the memory tier may hold ("48GiB"); None: as much as
+            its file system has free. A save that would not fit is skipped (logged)."""
+
+            memory_replicate: bool = False
+            """With memory_tier: also keep each rank's checkpoints in the next rank's memory
+            tier (another node's), so a lost node's state is restored from memory."""
+
+            persist_interval: int = 0
+            """With memory_tier: steps between checkpoints persisted to the folder, a multiple
+            of interval (every persist_interval/interval-th save of the run is persisted; one
+            due while a persist runs waits for the next save); 0: whenever the previous
+            persist has finished."""
+
         def __init__(self, config: Config, *, engine: Engine | None = None,
                      **kwargs: Any) -> None:
             super().__init__(config, **kwargs)
@@ -308,10 +417,71 @@ if _CheckpointManager is not None:
             owns = engine is None and bool(engine_args)
             if owns:
                 engine = Engine(**engine_args)
-            _attach(self, DataStates(
+            ds = _attach(self, DataStates(
                 engine=engine if engine is not None else default_engine(), owns_engine=owns,
                 direct_io=config.direct_io, verify_checksums=config.verify_checksums,
                 overlap=config.overlap))
+            if config.memory_tier:
+                try:
+                    ds.tiers = self._memory_tier(config, ds.engine)
+                except BaseException:
+                    ds.close()
+                    raise
+
+        def _memory_tier(self, config: Config, engine: Engine) -> TierManager:
+            """The memory tier's manager over this checkpoint folder (named as torchtitan
+            names its steps)."""
+            every = config.persist_interval
+            if every < 0 or every % config.interval:
+                raise ValueError(f"checkpoint.persist_interval must be 0 or a multiple of "
+                                 f"checkpoint.interval ({config.interval}), got {every}")
+            folder = Path(self.folder).absolute()
+            name_steps(folder, "step-")
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            memory = (Path(os.path.expanduser(config.memory_dir)) / f"rank_{rank}"
+                      if config.memory_dir else None)
+            tiers = TierManager(folder, memory_dir=memory, keep_memory=config.memory_keep,
+                                # as torchtitan's purge, but once each persist is done
+                                keep_durable=config.keep_latest_k or None,
+                                memory_limit=config.memory_limit,
+                                persist=every // config.interval if every else "idle",
+                                replicate=config.memory_replicate, engine=engine)
+            log.info("dcp_datastates: torchtitan checkpoints go to the memory tier %s and are "
+                     "persisted to %s (%s)", tiers.memory, folder,
+                     f"every {every} steps" if every else "whenever the last persist is done")
+            return tiers
+
+        def _save(self, curr_step: int, last_step: bool = False) -> bool:
+            # the last step's checkpoint (model-only, export dtype, HF) goes straight to the
+            # folder, as torchtitan writes it
+            ds: DataStates | None = getattr(self, "datastates", None)
+            if ds is None or ds.tiers is None or not last_step:
+                return super()._save(curr_step, last_step)
+            ds.direct = True
+            try:
+                return super()._save(curr_step, last_step)
+            finally:
+                ds.direct = False
+
+        def _load(self, step: int = -1) -> bool:
+            ds: DataStates | None = getattr(self, "datastates", None)
+            tiers = ds.tiers if ds is not None else None
+            if tiers is None:
+                return super()._load(step)
+            if step == -1:
+                newest = tiers.latest_step()  # every rank, memory or folder
+                # torchtitan's own pick also counts HF exports (no .metadata) in the folder
+                if newest is None or self._find_load_step() > newest:
+                    return super()._load(step)
+                step = newest
+            folder = step_dir(Path(self.folder).absolute(), step)
+            if step == 0 or (folder.is_dir() and not is_datastates_checkpoint(folder)):
+                return super()._load(step)  # a seed checkpoint, or one stock torchtitan wrote
+            states = self._states_to_load(model_only=False)
+            tiers.load(states, step)
+            if MODEL in self.states:  # as torchtitan does: the model's entries are flattened
+                self.states[MODEL].load_state_dict(states)
+            return True
 
         def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
                      enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:

@@ -5,6 +5,11 @@ holds one rank's checkpoint (a one-process DCP checkpoint of that rank's state) 
 ``.tier.json`` record (step, rank, world size) written before the save starts; it is committed
 once its ``.metadata`` is. A durable step holds every rank's data files and a ``.metadata``
 merged from the ranks' parts (``.part.<rank>``), committed last.
+
+A tier may name its step directories ``step-<N>`` instead (torchtitan's naming, so that
+torchtitan finds, loads and purges the persisted checkpoints in its checkpoint folder): a
+``.dcp_datastates-steps`` file in the tier's directory, written by :func:`name_steps`, says so,
+and every function here follows it.
 """
 
 from __future__ import annotations
@@ -16,16 +21,55 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..directory import new_token
 from ..errors import CheckpointCorruptError
 from ..jobs.load import check_locations
 from ..metadata_file import METADATA_NAME, read_metadata
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 RECORD_NAME = ".tier.json"
+#: The file in a tier's directory that names its step directories (absent: ``step_<N>``).
+NAMING_NAME = ".dcp_datastates-steps"
+#: The prefixes a tier may name its step directories with: ours, torchtitan's.
+PREFIXES = {"step_": STEP_RE, "step-": re.compile(r"^step-(\d+)$")}
+
+
+def step_prefix(root: Path) -> str:
+    """How ``root`` names its step directories: ``step_`` unless its naming file says
+    ``step-``."""
+    path = root / NAMING_NAME
+    try:
+        prefix = path.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return "step_"
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
+    if prefix not in PREFIXES:
+        raise CheckpointCorruptError(f"{path}: unknown step naming {prefix!r} (known: "
+                                     f"{', '.join(map(repr, PREFIXES))})")
+    return prefix
+
+
+def name_steps(root: Path, prefix: str) -> None:
+    """Make the tier ``root`` (created if need be) name its step directories
+    ``<prefix><N>``. Idempotent, and safe for several ranks at once; refused where ``root``
+    holds step directories named otherwise."""
+    if prefix not in PREFIXES:
+        raise ValueError(f"step naming must be one of {sorted(PREFIXES)}, got {prefix!r}")
+    root.mkdir(parents=True, exist_ok=True)
+    have = step_prefix(root)
+    if have == prefix:
+        return
+    if steps(root):
+        raise ValueError(f"{root} holds step directories named {have}<N>; it cannot name "
+                         f"them {prefix}<N>")
+    tmp = root / f"{NAMING_NAME}.{new_token()}.tmp"
+    tmp.write_text(prefix + "\n")
+    os.replace(tmp, root / NAMING_NAME)
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step}"
+    return root / f"{step_prefix(root)}{step}"
 
 
 @dataclass(frozen=True)
@@ -57,7 +101,8 @@ def steps(root: Path) -> list[int]:
         names = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return []
-    return sorted(int(m.group(1)) for n in names if (m := STEP_RE.match(n)))
+    pattern = PREFIXES[step_prefix(root)]
+    return sorted(int(m.group(1)) for n in names if (m := pattern.match(n)))
 
 
 def committed(directory: Path) -> bool:
