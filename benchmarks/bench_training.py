@@ -410,13 +410,13 @@ def tier_tables(res: dict) -> list[Table]:
               f"the previous persist is over; disk write ceiling "
               f"{disk.get('write_gib_s', 0):.2f} GiB/s (O_DIRECT {disk.get('o_direct')})",
               [("mode", ""), ("saves", "d"), ("persisted", "d"), ("per min", ".1f"),
-               ("persist GiB/s", ".2f"), ("of disk", ".0%"), ("memory s", ".2f"),
+               ("persist GiB/s", ".2f"), ("of disk", ".0f%"), ("memory s", ".2f"),
                ("restart mem s", ".2f"), ("cold disk s", ".2f"), ("speed-up", ".1f")])
     for mode, r in runs.items():
         gib_s = r["persisted"] * r["bytes"] / 2**30 / r["span_s"] if r["span_s"] else None
         rs = r.get("restart", {})
         t.add(mode, r["saves"], r["persisted"], 60 * r["persisted"] / r["span_s"], gib_s,
-              gib_s / disk["write_gib_s"] if gib_s and disk.get("write_gib_s") else None,
+              100 * gib_s / disk["write_gib_s"] if gib_s and disk.get("write_gib_s") else None,
               median(r["memory_s"]), rs.get("memory_s"), rs.get("durable_cold_s"),
               rs["durable_cold_s"] / rs["memory_s"] if rs.get("memory_s") else None)
     t.notes = ["per min: checkpoints persisted per minute of training; persist GiB/s: their "
