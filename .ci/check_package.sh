@@ -34,13 +34,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
-from dcp_datastates import DataStatesReader, DataStatesWriter, default_engine
+from dcp_datastates import DataStatesReader, DataStatesWriter, checksums, default_engine
 from dcp_datastates.io import UringBackend
 from dcp_datastates.io.uring import shim_path
 
 pkg = Path(dcp_datastates.__file__).resolve().parent
 assert pkg == Path(sys.argv[1]).resolve(), f"dcp_datastates imported from {pkg}, not {sys.argv[1]}"
 assert shim_path().is_file(), f"no shim at {shim_path()}"
+assert checksums.native() is not None, f"no checksum library at {checksums.NATIVE_PATH}"
 for mod in pkgutil.walk_packages(dcp_datastates.__path__, "dcp_datastates."):
     if mod.name != "dcp_datastates.__main__":
         importlib.import_module(mod.name)
@@ -90,6 +91,7 @@ bad = [n for n in names if re.match(r"(build|dist|\.venv|benchmarks/out|dcp_data
 assert not bad, f"sdist holds build outputs: {bad[:5]}"
 with zipfile.ZipFile(wheel) as z:
     assert "dcp_datastates/_lib/libdcp_uring.so" in z.namelist(), "wheel lacks the shim"
+    assert "dcp_datastates/_lib/libdcp_hash.so" in z.namelist(), "wheel lacks libdcp_hash.so"
     meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
 deps = re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)[^;\n]*$", meta, re.M)
 assert {"torch", "safetensors", "xxhash", "numpy"} <= set(deps), deps
