@@ -85,6 +85,7 @@ import zipfile
 sdist, wheel = sys.argv[1:]
 names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
 for need in ("CMakeLists.txt", "pyproject.toml", "native/dcp_uring.c", "native/dcp_uring.h",
+             "native/dcp_hash.c",
              "dcp_datastates/__init__.py", "dcp_datastates/io/uring.py"):
     assert need in names, f"sdist lacks {need}"
 bad = [n for n in names if re.match(r"(build|dist|\.venv|benchmarks/out|dcp_datastates/_lib)/", n)]
