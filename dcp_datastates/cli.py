@@ -27,8 +27,8 @@ from .file_format import (
     entry_key,
     entry_mismatch,
     export_header,
+    layout_mismatch,
     read_file_header,
-    size_mismatch,
 )
 from .jobs.load import check_locations, stored_spec
 from .jobs.save import entry_name
@@ -255,7 +255,7 @@ def _header_problems(path: Path, md: Metadata, name: str, fd: int, size: int,
     except CheckpointCorruptError as exc:
         return [str(exc)]
     problems = []
-    if (why := size_mismatch(header, data_start, size)) is not None:
+    if (why := layout_mismatch(header, data_start, size)) is not None:
         problems.append(f"file {name}: {why}")
     for c in cs:
         try:
