@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import uuid
 from collections import defaultdict
@@ -395,9 +396,39 @@ def _write_new(dest: Path, parts: Iterable[bytes | memoryview]) -> None:
 
 
 def _inside(out: Path, path: Path) -> bool:
-    """Whether ``out`` is the directory ``path`` or lies inside it (links resolved)."""
+    """Whether ``out`` is the directory ``path`` or lies inside it: by name with links
+    resolved, and by identity (device, inode) of each existing directory on ``out``'s way up,
+    which also sees the checkpoint under another name (a bind mount)."""
     out, path = out.resolve(), path.resolve()
-    return out == path or path in out.parents
+    if out == path or path in out.parents:
+        return True
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    for d in (out, *out.parents):
+        try:
+            o = d.stat()
+        except OSError:
+            continue  # not made yet
+        if (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+#: What an export writes: a previous export's files of these names, not written again, go.
+_EXPORT_NAME = re.compile(
+    r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+
+
+def _remove_stale(out: Path, written: set[str]) -> list[str]:
+    """Delete an earlier export's files in ``out`` that this one did not write (a stale
+    ``model.safetensors`` beside a new index would be loaded first); return their names."""
+    stale = sorted(p.name for p in out.iterdir()
+                   if _EXPORT_NAME.match(p.name) and p.name not in written)
+    for name in stale:
+        (out / name).unlink(missing_ok=True)
+    return stale
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -464,8 +495,12 @@ def cmd_export(args: argparse.Namespace) -> int:
                  "weight_map": {n: f for f, s in zip(names, shards, strict=True) for n in s}}
         _write_new(out / "model.safetensors.index.json",
                    [(json.dumps(index, indent=2) + "\n").encode()])
+        names.append("model.safetensors.index.json")
+    if stale := _remove_stale(out, set(names)):
+        print(f"note: removed {len(stale)} file(s) of an earlier export from {out}: "
+              f"{', '.join(stale)}", file=sys.stderr)
     print(f"exported {len(selected)} tensors, {total} bytes ({format_size(total)}) to {out} "
-          f"in {len(shards)} file(s): {', '.join(names)}")
+          f"in {len(shards)} file(s): {', '.join(names[:len(shards)])}")
     return 0
 
 

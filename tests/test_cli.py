@@ -298,6 +298,47 @@ def test_export_replaces_what_sits_at_an_output_name(
     _assert_exported([out / "model.safetensors"], _state()["model"])
 
 
+@pytest.mark.parametrize("first, second", [("5GB", "4KiB"), ("4KiB", "5GB")])
+def test_export_again_leaves_no_stale_files(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], first: str, second: str
+) -> None:
+    """Exporting again into the same directory with another sharding removes the previous
+    export's files: a stale model.safetensors next to a new index (loaders take the single
+    file first) would hand out the old weights."""
+    out = tmp_path / "hf"
+    (out / "keep").mkdir(parents=True)
+    (out / "README.md").write_text("mine")
+    for size in (first, second):
+        code, _, err = _main(capsys, "export", "-q", str(ckpt), str(out), "--prefix", "model.",
+                             "--max-shard-size", size)
+        assert code == 0, err
+    names = sorted(p.name for p in out.iterdir())
+    if second == "5GB":
+        assert names == ["README.md", "keep", "model.safetensors"]
+    else:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert names == sorted(["README.md", "keep", "model.safetensors.index.json", *shards])
+    _assert_exported(sorted(out.glob("*.safetensors")), _state()["model"])
+
+
+def test_export_refuses_the_checkpoint_seen_through_a_bind_mount(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """The same directory under another path that no link explains (a bind mount)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = (f"mount --bind {ckpt} {mnt} && exec {sys.executable} -m dcp_datastates export "
+              f"-q {ckpt} {mnt / 'hf'}")
+    res = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    if "mount" in res.stderr and res.returncode != 1 or "unshare" in res.stderr:
+        pytest.skip(f"cannot bind-mount here: {res.stderr.strip()}")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"output directory {mnt / 'hf'} is inside the checkpoint directory {ckpt}" in res.stderr
+    assert not (ckpt / "hf").exists()
+
+
 def test_export_single_file(ckpt: Path, tmp_path: Path) -> None:
     res = _run("export", str(ckpt), str(tmp_path / "hf"), "--prefix", "model.")
     assert res.returncode == 0, res.stderr
