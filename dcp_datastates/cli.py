@@ -74,6 +74,42 @@ def _spec(path: Path, md: Metadata, c: _Chunk) -> ItemSpec:
     return stored_spec(md, c.index, c.loc, tensor, f"{path}: {_where(c)}")
 
 
+def _tiling_problem(tmd: TensorStorageMetadata) -> str | None:
+    """How a tensor's chunks in ``.metadata`` fail to tile its global shape (a DCP save's
+    always do): one lying outside it, two overlapping, or a part no chunk covers."""
+    size = tuple(tmd.size)
+    boxes = []
+    for c in tmd.chunks:
+        off, n = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(size) or len(n) != len(size) or any(
+                o < 0 or k < 0 or o + k > d for o, k, d in zip(off, n, size, strict=True)):
+            return (f"chunk at {list(off)} of shape {list(n)} lies outside the tensor's shape "
+                    f"{list(size)}")
+        boxes.append((off, n))
+    boxes.sort()
+    for i, (o, n) in enumerate(boxes):
+        for o2, n2 in boxes[i + 1:]:
+            if size and o2[0] >= o[0] + n[0]:
+                break  # sorted: no later chunk reaches back into this one
+            if math.prod(n) and math.prod(n2) and all(
+                    a < b + m and b < a + k for a, k, b, m in zip(o, n, o2, n2, strict=True)):
+                return f"chunks at {list(o)} and {list(o2)} overlap"
+    covered, numel = sum(math.prod(n) for _, n in boxes), math.prod(size)
+    if covered != numel:
+        return f"chunks cover {covered} of its {numel} elements"
+    return None
+
+
+def _tiling_problems(path: Path, md: Metadata, fqns: Iterable[str]) -> list[str]:
+    """``_tiling_problem`` of each tensor of ``fqns``, as "<path>: item '<fqn>': <why>"."""
+    problems = []
+    for fqn in fqns:
+        tmd = md.state_dict_metadata.get(fqn)
+        if isinstance(tmd, TensorStorageMetadata) and (why := _tiling_problem(tmd)) is not None:
+            problems.append(f"{path}: item {fqn!r}: {why}")
+    return problems
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -286,7 +322,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     block = max((c.loc.block for cs in by_file.values() for c in cs), default=1)
     buf = memoryview(bytearray(min(block, max(total, 1))))
     progress = _Progress(total, "verifying", not args.quiet)
-    problems: list[str] = []
+    problems = _tiling_problems(path, md, sorted(md.state_dict_metadata))
     try:
         for name in sorted(by_file):
             cs = sorted(by_file[name], key=lambda c: c.loc.offset)
@@ -460,6 +496,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not selected:
         print(f"error: {path}: no tensors to export", file=sys.stderr)
         return 1
+    if problems := _tiling_problems(path, md, selected.values()):
+        raise CheckpointCorruptError("\n  ".join(problems))
     specs = {}
     for name, fqn in selected.items():
         t = md.state_dict_metadata[fqn]
