@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import uuid
 from collections import defaultdict
@@ -28,8 +29,8 @@ from .file_format import (
     entry_key,
     entry_mismatch,
     export_header,
+    layout_mismatch,
     read_file_header,
-    size_mismatch,
 )
 from .jobs.load import check_locations, stored_spec
 from .jobs.save import entry_name
@@ -72,6 +73,42 @@ def _spec(path: Path, md: Metadata, c: _Chunk) -> ItemSpec:
     """The chunk as ``.metadata`` describes it (raises where ``.metadata`` contradicts itself)."""
     tensor = isinstance(md.state_dict_metadata.get(c.fqn), TensorStorageMetadata)
     return stored_spec(md, c.index, c.loc, tensor, f"{path}: {_where(c)}")
+
+
+def _tiling_problem(tmd: TensorStorageMetadata) -> str | None:
+    """How a tensor's chunks in ``.metadata`` fail to tile its global shape (a DCP save's
+    always do): one lying outside it, two overlapping, or a part no chunk covers."""
+    size = tuple(tmd.size)
+    boxes = []
+    for c in tmd.chunks:
+        off, n = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(size) or len(n) != len(size) or any(
+                o < 0 or k < 0 or o + k > d for o, k, d in zip(off, n, size, strict=True)):
+            return (f"chunk at {list(off)} of shape {list(n)} lies outside the tensor's shape "
+                    f"{list(size)}")
+        boxes.append((off, n))
+    boxes.sort()
+    for i, (o, n) in enumerate(boxes):
+        for o2, n2 in boxes[i + 1:]:
+            if size and o2[0] >= o[0] + n[0]:
+                break  # sorted: no later chunk reaches back into this one
+            if math.prod(n) and math.prod(n2) and all(
+                    a < b + m and b < a + k for a, k, b, m in zip(o, n, o2, n2, strict=True)):
+                return f"chunks at {list(o)} and {list(o2)} overlap"
+    covered, numel = sum(math.prod(n) for _, n in boxes), math.prod(size)
+    if covered != numel:
+        return f"chunks cover {covered} of its {numel} elements"
+    return None
+
+
+def _tiling_problems(path: Path, md: Metadata, fqns: Iterable[str]) -> list[str]:
+    """``_tiling_problem`` of each tensor of ``fqns``, as "<path>: item '<fqn>': <why>"."""
+    problems = []
+    for fqn in fqns:
+        tmd = md.state_dict_metadata.get(fqn)
+        if isinstance(tmd, TensorStorageMetadata) and (why := _tiling_problem(tmd)) is not None:
+            problems.append(f"{path}: item {fqn!r}: {why}")
+    return problems
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -256,7 +293,7 @@ def _header_problems(path: Path, md: Metadata, name: str, fd: int, size: int,
     except CheckpointCorruptError as exc:
         return [str(exc)]
     problems = []
-    if (why := size_mismatch(header, data_start, size)) is not None:
+    if (why := layout_mismatch(header, data_start, size)) is not None:
         problems.append(f"file {name}: {why}")
     for c in cs:
         try:
@@ -286,7 +323,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     block = max((c.loc.block for cs in by_file.values() for c in cs), default=1)
     buf = memoryview(bytearray(min(block, max(total, 1))))
     progress = _Progress(total, "verifying", not args.quiet)
-    problems: list[str] = []
+    problems = _tiling_problems(path, md, sorted(md.state_dict_metadata))
     try:
         for name in sorted(by_file):
             cs = sorted(by_file[name], key=lambda c: c.loc.offset)
@@ -396,9 +433,39 @@ def _write_new(dest: Path, parts: Iterable[bytes | memoryview]) -> None:
 
 
 def _inside(out: Path, path: Path) -> bool:
-    """Whether ``out`` is the directory ``path`` or lies inside it (links resolved)."""
+    """Whether ``out`` is the directory ``path`` or lies inside it: by name with links
+    resolved, and by identity (device, inode) of each existing directory on ``out``'s way up,
+    which also sees the checkpoint under another name (a bind mount)."""
     out, path = out.resolve(), path.resolve()
-    return out == path or path in out.parents
+    if out == path or path in out.parents:
+        return True
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    for d in (out, *out.parents):
+        try:
+            o = d.stat()
+        except OSError:
+            continue  # not made yet
+        if (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+#: What an export writes: a previous export's files of these names, not written again, go.
+_EXPORT_NAME = re.compile(
+    r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+
+
+def _remove_stale(out: Path, written: set[str]) -> list[str]:
+    """Delete an earlier export's files in ``out`` that this one did not write (a stale
+    ``model.safetensors`` beside a new index would be loaded first); return their names."""
+    stale = sorted(p.name for p in out.iterdir()
+                   if _EXPORT_NAME.match(p.name) and p.name not in written)
+    for name in stale:
+        (out / name).unlink(missing_ok=True)
+    return stale
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -430,6 +497,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not selected:
         print(f"error: {path}: no tensors to export", file=sys.stderr)
         return 1
+    if problems := _tiling_problems(path, md, selected.values()):
+        raise CheckpointCorruptError("\n  ".join(problems))
     specs = {}
     for name, fqn in selected.items():
         t = md.state_dict_metadata[fqn]
@@ -465,8 +534,12 @@ def cmd_export(args: argparse.Namespace) -> int:
                  "weight_map": {n: f for f, s in zip(names, shards, strict=True) for n in s}}
         _write_new(out / "model.safetensors.index.json",
                    [(json.dumps(index, indent=2) + "\n").encode()])
+        names.append("model.safetensors.index.json")
+    if stale := _remove_stale(out, set(names)):
+        print(f"note: removed {len(stale)} file(s) of an earlier export from {out}: "
+              f"{', '.join(stale)}", file=sys.stderr)
     print(f"exported {len(selected)} tensors, {total} bytes ({format_size(total)}) to {out} "
-          f"in {len(shards)} file(s): {', '.join(names)}")
+          f"in {len(shards)} file(s): {', '.join(names[:len(shards)])}")
     return 0
 
 

@@ -12,6 +12,7 @@ header's ``__metadata__`` under ``raw_items``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -215,14 +216,23 @@ def entry_mismatch(header: dict[str, object], data_start: int, spec: ItemSpec,
     return "; ".join(diffs) or None
 
 
-def size_mismatch(header: dict[str, object], data_start: int, file_size: int) -> str | None:
-    """What is wrong with a file's size, given its header (checked by ``read_header``)."""
-    end = data_start + max((e["data_offsets"][1] for k, e in header.items()
-                            if k != "__metadata__"), default=0)
-    if end == file_size:
+def layout_mismatch(header: dict[str, object], data_start: int, file_size: int) -> str | None:
+    """What is wrong with how a file's entries lay out its data (its header checked by
+    ``read_header``): entries must tile the data, no overlap and no hole (safetensors' rule),
+    and end where the file does. None if nothing is."""
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], k) for k, e in header.items()
+                   if k != "__metadata__")
+    end, prev = 0, None
+    for begin, stop, name in spans:
+        if begin != end:
+            how = "overlaps" if begin < end else "leaves a hole after"
+            return (f"entry {name!r} (data offsets [{begin}, {stop}]) {how} "
+                    f"{'the data start' if prev is None else f'entry {prev!r}'} (ending at {end})")
+        end, prev = stop, name
+    if data_start + end == file_size:
         return None
     return (f"the file has {file_size} bytes where its header ({data_start} bytes) and the "
-            f"data it describes make {end}")
+            f"data it describes make {data_start + end}")
 
 
 def read_file_header(fd: int, file_size: int, what: str) -> tuple[int, dict[str, object]]:
@@ -254,7 +264,10 @@ def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, 
     if len(head) < 8 + size:
         raise CheckpointCorruptError(f"{path}: header needs {8 + size} bytes, got {len(head)}")
     try:
-        header = json.loads(head[8 : 8 + size].decode("utf-8"))
+        header = json.loads(head[8 : 8 + size].decode("utf-8"), object_pairs_hook=_unique_keys,
+                            parse_constant=_no_constant)
+    except _DuplicateKey as exc:
+        raise CheckpointCorruptError(f"{path}: header has the key {exc.args[0]!r} twice") from None
     except (ValueError, RecursionError) as exc:  # bad UTF-8 / JSON, huge ints, deep nesting
         raise CheckpointCorruptError(f"{path}: header is not valid UTF-8 JSON ({exc})") from exc
     if not isinstance(header, dict):
@@ -262,6 +275,9 @@ def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, 
     data_start = 8 + size
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise CheckpointCorruptError(
+                    f"{path}: header's __metadata__ is not an object of strings: {entry!r:.200}")
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if (
@@ -278,4 +294,41 @@ def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, 
                 f"{path} is truncated: item {name!r} needs bytes {data_start + offsets[0]}.."
                 f"{data_start + offsets[1]}, the file has {file_size}"
             )
+        if (why := _entry_problem(entry, offsets)) is not None:
+            raise CheckpointCorruptError(f"{path}: entry {name!r} {why}")
     return data_start, header
+
+
+#: Bytes per element of each safetensors dtype this package writes.
+_DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def _entry_problem(entry: dict, offsets: list[int]) -> str | None:
+    """What makes a header entry one safetensors refuses (its offsets are checked already)."""
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+        return f"has dtype {dtype!r}, not a safetensors dtype this package writes"
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"has shape {shape!r}, not a list of sizes"
+    nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
+    if nbytes != offsets[1] - offsets[0]:
+        return (f"has {offsets[1] - offsets[0]} data bytes where its dtype {dtype} and shape "
+                f"{shape} make {nbytes}")
+    return None
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object as a dict, refusing a key given twice (parsers disagree on which wins)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")

@@ -16,9 +16,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from dcp_datastates import DataStatesWriter, Engine, cli
-from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.metadata_file import read_metadata, write_metadata
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -296,6 +297,92 @@ def test_export_replaces_what_sits_at_an_output_name(
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     _assert_exported([out / "model.safetensors"], _state()["model"])
+
+
+@pytest.mark.parametrize("first, second", [("5GB", "4KiB"), ("4KiB", "5GB")])
+def test_export_again_leaves_no_stale_files(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], first: str, second: str
+) -> None:
+    """Exporting again into the same directory with another sharding removes the previous
+    export's files: a stale model.safetensors next to a new index (loaders take the single
+    file first) would hand out the old weights."""
+    out = tmp_path / "hf"
+    (out / "keep").mkdir(parents=True)
+    (out / "README.md").write_text("mine")
+    for size in (first, second):
+        code, _, err = _main(capsys, "export", "-q", str(ckpt), str(out), "--prefix", "model.",
+                             "--max-shard-size", size)
+        assert code == 0, err
+    names = sorted(p.name for p in out.iterdir())
+    if second == "5GB":
+        assert names == ["README.md", "keep", "model.safetensors"]
+    else:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert names == sorted(["README.md", "keep", "model.safetensors.index.json", *shards])
+    _assert_exported(sorted(out.glob("*.safetensors")), _state()["model"])
+
+
+def test_export_refuses_the_checkpoint_seen_through_a_bind_mount(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """The same directory under another path that no link explains (a bind mount)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = (f"mount --bind {ckpt} {mnt} && exec {sys.executable} -m dcp_datastates export "
+              f"-q {ckpt} {mnt / 'hf'}")
+    res = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    if "mount" in res.stderr and res.returncode != 1 or "unshare" in res.stderr:
+        pytest.skip(f"cannot bind-mount here: {res.stderr.strip()}")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"output directory {mnt / 'hf'} is inside the checkpoint directory {ckpt}" in res.stderr
+    assert not (ckpt / "hf").exists()
+
+
+def _tamper_chunks(directory: Path, how: str) -> None:
+    """Rewrite ``.metadata`` so that item "a"'s chunks do not tile its global shape."""
+    md = read_metadata(directory)
+    a = md.state_dict_metadata["a"]
+    if how == "smaller":
+        a.size = torch.Size([4])
+    elif how == "larger":
+        a.size = torch.Size([16])
+    elif how == "rank":
+        a.size = torch.Size([8, 1])
+    else:  # "overlap": p and q become chunks [0, 4) and [2, 6) of an "a" of 8: 6..8 never written
+        locs = {i.fqn: loc for i, loc in md.storage_data.items()}
+        for fqn in ("p", "q"):
+            del md.state_dict_metadata[fqn]
+        md.storage_data = {i: loc for i, loc in md.storage_data.items() if i.fqn not in "pq"}
+        a.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([4])),
+                    ChunkStorageMetadata(torch.Size([2]), torch.Size([4]))]
+        md.storage_data = {MetadataIndex("a", [0]): locs["p"], MetadataIndex("a", [2]): locs["q"]}
+    write_metadata(directory, md, "test")
+
+
+@pytest.mark.parametrize(("how", "why"), [
+    ("smaller", "chunk at [0] of shape [8] lies outside the tensor's shape [4]"),
+    ("larger", "chunks cover 8 of its 16 elements"),
+    ("rank", "chunk at [0] of shape [8] lies outside the tensor's shape [8, 1]"),
+    ("overlap", "chunks at [0] and [2] overlap"),
+])
+def test_chunks_that_do_not_tile_the_tensor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, why: str
+) -> None:
+    """A ``.metadata`` whose chunks do not tile a tensor's global shape: ``verify`` names it;
+    ``export`` refuses it with an error (no traceback, no uninitialized memory exported)."""
+    directory = _save({"a": torch.arange(8.0), "p": torch.arange(4.0),
+                       "q": torch.arange(4.0) + 10}, tmp_path / "ckpt")
+    _tamper_chunks(directory, how)
+    code, _, err = _main(capsys, "verify", "-q", str(directory))
+    assert code == 1
+    assert f"item 'a': {why}" in err, err
+    res = _run("export", "-q", str(directory), str(tmp_path / "hf"))
+    assert res.returncode == 1, res.stdout
+    assert "Traceback" not in res.stderr
+    assert f"error: {directory}: item 'a': {why}" in res.stderr, res.stderr
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
 def test_export_single_file(ckpt: Path, tmp_path: Path) -> None:

@@ -133,3 +133,89 @@ def test_metadata_contradicting_itself_is_named_by_verify(
     assert code == 1
     assert f"{directory}: file {file.name}, item 'w' (chunk at [0, 0]): {W_BYTES - 4} bytes " \
            f"stored for a torch.float32 chunk of shape [300, 257]" in err
+
+
+def _rewrite_header(file: Path, edit: Callable[[str], str]) -> None:
+    """Replace the header's JSON text by ``edit(text)``, padded to the same length."""
+    raw = bytearray(file.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    body = edit(raw[8 : 8 + n].decode().rstrip(" ")).encode()
+    assert len(body) <= n
+    raw[8 : 8 + n] = body.ljust(n)
+    file.write_bytes(raw)
+
+
+def _edit_json(edit: Callable[[dict], None]) -> Callable[[str], str]:
+    def apply(text: str) -> str:
+        header = json.loads(text)
+        edit(header)
+        return json.dumps(header, separators=(",", ":"))
+    return apply
+
+
+def _pad_key(header: dict) -> str:
+    return next(k for k in header if k.startswith("__dcp_datastates_pad_"))
+
+
+def _grow_pad(header: dict) -> None:
+    """The padding entry claims 4 more bytes (shape and offsets agree): it overlaps the next."""
+    e = header[_pad_key(header)]
+    e["shape"] = [e["shape"][0] + 4]
+    e["data_offsets"] = [e["data_offsets"][0], e["data_offsets"][1] + 4]
+
+
+def _pad_shape_only(header: dict) -> None:
+    e = header[_pad_key(header)]
+    e["shape"] = [e["shape"][0] + 1]
+
+
+#: Edits that leave every entry .metadata describes equal (by Python's ==) to what it says,
+#: yet make the file something safetensors refuses.
+NOT_SAFETENSORS = {
+    "float shape": (_edit_json(lambda h: h["w"].update(shape=[300.0, 257.0])), "'w'"),
+    "NaN in the JSON": (lambda t: t.replace('"format_version":"1"', '"format_version":NaN'),
+                        "NaN"),
+    "__metadata__ not strings": (_edit_json(lambda h: h["__metadata__"].update(n=1)),
+                                 "__metadata__"),
+    "__metadata__ not an object": (_edit_json(lambda h: h.update(__metadata__=[1])),
+                                   "__metadata__"),
+    "padding overlaps the next entry": (_edit_json(_grow_pad), "overlap"),
+    "padding shape disagrees with its bytes": (_edit_json(_pad_shape_only),
+                                               "__dcp_datastates_pad_"),
+}
+
+
+@pytest.mark.parametrize("what", NOT_SAFETENSORS)
+def test_header_that_safetensors_refuses_is_caught(
+    checkpoint, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """``verify`` says OK only for data files that are valid safetensors files (the README
+    promises ``safe_open`` reads them), and a load refuses the rest too."""
+    directory, file, expected = checkpoint
+    edit, named = NOT_SAFETENSORS[what]
+    _rewrite_header(file, edit)
+    with pytest.raises(Exception):  # noqa: B017 - whatever safetensors raises
+        with safe_open(file, "pt") as f:
+            for k in f.keys():
+                f.get_tensor(k)
+    code, err = _verify(directory, capsys)
+    assert code == 1, err
+    assert f"file {file.name}" in err and named in err, err
+    with raises_in_dcp(CheckpointCorruptError, rf"data file {re.escape(file.name)}: .*"
+                                               rf"{re.escape(named)}"):
+        load_into(expected, directory)
+
+
+def test_header_with_a_duplicate_key_is_caught(
+    checkpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two entries under one name: parsers that keep the first and parsers that keep the last
+    would hand out different tensors, so the header is refused."""
+    directory, file, expected = checkpoint
+    _rewrite_header(file, lambda t: t.replace(
+        "{", '{"w":{"dtype":"I32","shape":[300,257],"data_offsets":[0,308400]},', 1))
+    code, err = _verify(directory, capsys)
+    assert code == 1, err
+    assert f"file {file.name}: header has the key 'w' twice" in err
+    with raises_in_dcp(CheckpointCorruptError, r"header has the key 'w' twice"):
+        load_into(expected, directory)

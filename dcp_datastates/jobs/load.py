@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from ..checksums import memory_at, verify_span
 from ..directory import memory_backed
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..file_format import ItemSpec, entry_mismatch, read_file_header, size_mismatch
+from ..file_format import ItemSpec, entry_mismatch, layout_mismatch, read_file_header
 from ..host_cache import Lease, round_up
 from ..io.base import ALIGN, IOBackend, IOReq
 from ..metadata_file import ItemLocation, metadata_stamp, open_regular
@@ -88,6 +88,7 @@ class LoadJob:
                     continue
                 jobs.append((req, target, self.engine.submit(
                     self._read_tensor, backend, f, loc, req, target, spec)))
+            files.check_layouts()  # after the items' own entries: their mismatches say more
             for name, items in small.items():
                 for group in _spans(items, min(SPAN_BYTES, room)):
                     spans.append(self.engine.submit(self._read_span, files.get(name), group))
@@ -309,6 +310,7 @@ class _File:
     direct_fd: int | None
     data_start: int
     header: dict[str, object]
+    layout: str | None  # what is wrong with how the header lays out the data (layout_mismatch)
 
 
 class _OpenFiles:
@@ -352,8 +354,6 @@ class _OpenFiles:
         try:
             size = os.fstat(fd).st_size
             data_start, header = read_file_header(fd, size, what)
-            if (why := size_mismatch(header, data_start, size)) is not None:
-                raise CheckpointCorruptError(f"{what}: {why}")
         except BaseException:
             os.close(fd)
             raise
@@ -363,11 +363,19 @@ class _OpenFiles:
                 direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
             except OSError:
                 direct_fd = None  # the file system refuses O_DIRECT: buffered reads only
-        return _File(fd, size, direct_fd, data_start, header)
+        return _File(fd, size, direct_fd, data_start, header,
+                     layout_mismatch(header, data_start, size))
 
     def _superseded(self) -> bool:
         """Whether a commit replaced the ``.metadata`` this load read."""
         return self.stamp is not None and metadata_stamp(self.directory) != self.stamp
+
+    def check_layouts(self) -> None:
+        """Raise for the first open file whose entries do not tile its data to its end."""
+        for name, file in self._files.items():
+            if file.layout is not None:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}: data file {name}: {file.layout}")
 
     def get(self, name: str) -> _File:
         return self._files[name]
