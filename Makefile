@@ -49,7 +49,7 @@ demo: native
 
 ## test: the whole suite (single-process tests, then multi-rank tests under mpirun -n 2 and -n 4)
 test: native lint
-	$(PY) -m pytest -q tests
+	timeout 1800 $(PY) -m pytest -q tests  # a hang fails the run rather than holding CI
 	$(MAKE) --no-print-directory test-mpi
 
 test-mpi: native
