@@ -141,6 +141,11 @@ def _layouts() -> list[dict]:
         {f"{long}{k}": rand_tensor((k + 1,), torch.float32, 9 + k) for k in range(200)},
         {f"{long}{k}": rand_tensor((k + 1,), torch.float32, 300 + k) for k in range(200)},
         {"a": rand_tensor((1000,), torch.float32, 11), "blob": b"q" * 3},
+        # one page each: the same slot size, the file cut short of the page by the last save
+        {"u": rand_tensor((100,), torch.uint8, 12)},
+        {"u": rand_tensor((4000,), torch.uint8, 13)},
+        {"u": rand_tensor((100,), torch.uint8, 14)},
+        {"u": rand_tensor((4096,), torch.uint8, 15)},
     ]
 
 
@@ -233,3 +238,26 @@ def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None: 
     finally:
         engine.close()
         io.close()
+
+
+# -- rollback ------------------------------------------------------------------------------------
+def test_rollback_keeps_the_newer_steps_and_says_so(tiers: Tiers, engine: Engine,  # noqa: F811
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """After load(step=older) and saves of steps before the newest, the newer steps stay
+    (documented): latest_step() returns the newest, a re-saved step holds the new state, and
+    the save of a step older than one in the tier logs a warning."""
+    caplog.set_level(logging.WARNING, logger="dcp_datastates")
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=5, persist=None,
+                           engine=engine) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, make_state(step)).result(timeout=30)
+        out = blank_like(make_state(1))
+        assert manager.load(out, step=1) == 1
+        again = make_state(20)
+        manager.save(2, again).result(timeout=30)
+        manager.wait()
+        assert any("holds newer steps [3]" in r.getMessage() for r in caplog.records)
+        assert manager.latest_step() == 3
+        out = blank_like(again)
+        assert manager.load(out, step=2) == 2
+        assert_state_equal(out, again)

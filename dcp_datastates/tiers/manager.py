@@ -193,6 +193,11 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError(f"CheckpointManager of {self.memory} is closed: no more saves")
         start = time.perf_counter()
+        newer = [s for s in committed_steps(self.memory) if s > step]
+        if newer:  # a rollback (load(step=older), then training on): the newer steps stay
+            log.warning("dcp_datastates: saving step %d while the memory tier holds newer "
+                        "steps %s (a rollback?): they stay, and latest_step() returns the "
+                        "newest of them until they are removed", step, newer)
         state = _plain(state)
         slot = self._slots.take() if self._slots is not None else None
         handle = self._start_save(step, state, start, slot)
