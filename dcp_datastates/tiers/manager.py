@@ -190,7 +190,14 @@ class CheckpointManager:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager of {self.memory} is closed: no more saves")
         start = time.perf_counter()
+        newer = [s for s in committed_steps(self.memory) if s > step]
+        if newer:  # a rollback (load(step=older), then training on): the newer steps stay
+            log.warning("dcp_datastates: saving step %d while the memory tier holds newer "
+                        "steps %s (a rollback?): they stay, and latest_step() returns the "
+                        "newest of them until they are removed", step, newer)
         state = _plain(state)
         slot = self._slots.take() if self._slots is not None else None
         handle = self._start_save(step, state, start, slot)
@@ -207,7 +214,7 @@ class CheckpointManager:
             nbytes = _state_bytes(state)
             reuse = slot.nbytes if slot is not None else 0  # on the tier already
             need = max(0, nbytes - reuse) + SLACK_BYTES
-            free = self._room()
+            free = self._room(reuse)
             if need > free:
                 raise TierFullError(
                     f"memory tier {self.memory} has {format_size(free)} free; the checkpoint "
@@ -233,8 +240,10 @@ class CheckpointManager:
             lambda _f: setattr(handle.figures, "snapshot_s", time.perf_counter() - start))
         return handle
 
-    def _room(self) -> int:
-        """Bytes a new memory-tier checkpoint may take now."""
+    def _room(self, reused: int = 0) -> int:
+        """Bytes a new memory-tier checkpoint may take now, besides the ``reused`` bytes of
+        the slot it is snapshotted into (on the tier already: they count towards
+        ``memory_limit``, not against the file system's free space)."""
         st = os.statvfs(self.memory)
         free = st.f_bavail * st.f_frsize
         if self.memory_limit is None:
@@ -242,7 +251,7 @@ class CheckpointManager:
         roots = [self.memory, *(replica.replica_root(self.memory, r) for r in range(self.world))]
         used = sum(size_of(step_dir(root, s)) for root in roots for s in steps(root))
         used += self._slots.free_bytes() if self._slots is not None else 0
-        return max(0, min(free, self.memory_limit - used))
+        return max(0, min(free, self.memory_limit - used - reused))
 
     def _maybe_persist(self, handle: SaveHandle) -> None:
         policy = self.persist_policy

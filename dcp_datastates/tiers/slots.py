@@ -9,8 +9,9 @@ no second copy. When retention drops the step, its ``.metadata`` goes first and 
 back to the slot directory, free for a later save. A slot whose file is gone (a failed save
 removed it) is unmapped and forgotten.
 
-Slot files live in ``<memory_dir>/.slots.<pid>``; a new pool deletes those of processes that
-are gone (a slot holds no checkpoint until it is renamed into a step directory).
+Slot files live in ``<memory_dir>/.slots.<pid>.<n>`` (one directory per pool, so two managers
+of a process on one tier keep theirs apart); a new pool deletes those of processes that are
+gone (a slot holds no checkpoint until it is renamed into a step directory).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..io.base import ALIGN
 log = logging.getLogger("dcp_datastates")
 
 SLOT_DIR_PREFIX = ".slots."
+_pools = itertools.count()  # pools made by this process: each gets its own directory
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (names are rarely longer).
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 512
 
@@ -105,7 +107,7 @@ class SlotPool:
 
     def __init__(self, engine: object, memory: Path, limit: int) -> None:
         self.engine = engine
-        self.directory = memory / f"{SLOT_DIR_PREFIX}{os.getpid()}"
+        self.directory = memory / f"{SLOT_DIR_PREFIX}{os.getpid()}.{next(_pools)}"
         self.limit = limit
         self._free: list[Slot] = []
         self._held: dict[Path, Slot] = {}  # step directory -> its slot
@@ -151,6 +153,14 @@ class SlotPool:
     def settle(self, slot: Slot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
         it), held by the step ``directory`` (committed there), or lost (a failed save)."""
+        replaced = None
+        with self._lock:
+            if committed:  # a step saved again: the file it held was replaced (removed)
+                old = self._held.get(directory)
+                if old is not None and old is not slot and not old.path.exists():
+                    replaced = self._held.pop(directory)
+        if replaced is not None:
+            self._forget(replaced)
         with self._lock:
             if slot.path == slot.home:
                 self._free.append(slot)
@@ -196,7 +206,7 @@ class SlotPool:
 def _remove_dead_pools(memory: Path) -> None:
     """Delete slot directories of processes that are gone."""
     for entry in memory.glob(f"{SLOT_DIR_PREFIX}*"):
-        pid = entry.name[len(SLOT_DIR_PREFIX):]
+        pid = entry.name[len(SLOT_DIR_PREFIX):].split(".")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
 

@@ -1,0 +1,263 @@
+"""Hostile cases for the memory tier's slots and the manager's lifecycle: a step saved again,
+a second manager on the same memory tier, a save after close, ``memory_limit`` with a state
+that grows, states whose layout changes between saves, and a save that fails after its slot
+became the step's data file. Real files under /dev/shm and on disk; no private functions
+patched (faults come in through ``Engine(io_backend=...)``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MARKS, assert_state_equal, blank_like, data_files, load_into, rand_tensor
+from test_tiers import Tiers, make_state, steps_in, tiers  # noqa: F401 - the fixture
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_datastates import CheckpointManager, Engine, TierFullError
+from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
+
+MiB = 1 << 20
+
+pytestmark = MARKS
+
+
+@pytest.fixture
+def engine(make_engine) -> Engine:
+    return make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=4)
+
+
+def slot_mappings() -> list[str]:
+    """Lines of /proc/self/maps that map a memory-tier slot file (``.slots.`` in the path)."""
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if "/.slots." in line or "slot_" in line]
+
+
+def tier_bytes(root: Path) -> int:
+    """Bytes the files under ``root`` take (allocated blocks)."""
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+# -- a step saved again --------------------------------------------------------------------------
+def test_saving_a_step_again_does_not_leak_its_slot(tiers: Tiers, engine: Engine,  # noqa: F811
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Saving a step that the memory tier holds (a rollback, a retried save) replaces its data
+    file; the slot that held the old one must come back (free, or forgotten and unmapped), not
+    stay mapped for ever while no list knows it: six re-saves keep snapshotting into slots and
+    close() leaves no slot mapped."""
+    caplog.set_level(logging.WARNING, logger="dcp_datastates")
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           engine=engine) as manager:
+        for k in range(6):
+            state = make_state(10 + k, big=MiB)
+            manager.save(1, state).result(timeout=30)
+            manager.wait()
+            assert_state_equal(load_into(state, tiers.memory / "step_1"), state)
+        assert not any("memory-tier slots are in use" in r.getMessage() for r in caplog.records)
+        assert engine.cache_bytes() == 2 * MiB, "every snapshot went into a slot"
+    assert slot_mappings() == [], "close() unmaps every slot"
+    assert steps_in(tiers.memory) == [1]
+
+
+# -- a second manager on the same memory tier ----------------------------------------------------
+def test_second_manager_on_the_same_memory_tier_leaves_the_first_ones_slots(
+        tiers: Tiers, engine: Engine) -> None:  # noqa: F811
+    """A second manager of the same process on the same memory directory (one that only reads
+    the latest step, say) must not delete the first one's slot files: the first one's saves
+    go on committing."""
+    first = CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
+                              persist=None, engine=engine)
+    try:
+        first.save(1, make_state(1, big=MiB)).result(timeout=30)
+        first.wait()
+        second = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                                   engine=engine)
+        assert second.latest_step() == 1
+        for step in (2, 3, 4):
+            state = make_state(step, big=MiB)
+            first.save(step, state).result(timeout=30)
+            first.wait()
+            assert_state_equal(load_into(state, tiers.memory / f"step_{step}"), state)
+        second.close()
+        state = make_state(5, big=MiB)
+        first.save(5, state).result(timeout=30)  # the second's close leaves the first's slots
+        assert_state_equal(load_into(state, tiers.memory / "step_5"), state)
+    finally:
+        first.close()
+    assert slot_mappings() == []
+
+
+# -- a save after close --------------------------------------------------------------------------
+def test_save_after_close_is_refused_before_anything_is_written(
+        tiers: Tiers, engine: Engine) -> None:  # noqa: F811
+    manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=1, engine=engine)
+    manager.save(1, make_state(1)).result(timeout=30)
+    manager.close()
+    before = sorted(p.name for p in tiers.memory.iterdir())
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.save(2, make_state(2))
+    assert sorted(p.name for p in tiers.memory.iterdir()) == before
+    assert steps_in(tiers.durable) == [1]
+
+
+# -- memory_limit with a state that grows --------------------------------------------------------
+def test_memory_limit_holds_when_the_state_grows_into_a_reused_slot(
+        tiers: Tiers, engine: Engine) -> None:  # noqa: F811
+    """The bytes of the slot a save reuses are on the tier until the save resizes it: a state
+    that doubles must not take the tier past ``memory_limit`` (it fails with TierFullError)."""
+    size = 4 * MiB
+    limit = 2 * size + size // 2 + MiB
+    full: list[int] = []
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           memory_limit=limit, engine=engine) as manager:
+        for step, nbytes in ((1, size), (2, size), (3, 2 * size), (4, 2 * size)):
+            state = {"x": rand_tensor((nbytes,), torch.uint8, step)}
+            try:
+                manager.save(step, state).result(timeout=30)
+                manager.wait()
+            except TierFullError:
+                full.append(step)
+                with pytest.raises(TierFullError):
+                    manager.wait()  # reported once more, by wait()
+            used = tier_bytes(tiers.memory)
+            assert used <= limit, f"step {step}: the tier holds {used} bytes, limit {limit}"
+    assert full == [3, 4]
+    assert steps_in(tiers.memory) == [2]
+
+
+# -- layouts that change between saves -----------------------------------------------------------
+def _layouts() -> list[dict]:
+    long = "n" * 900  # long names: a header larger than a slot's first room
+    return [
+        {"a": rand_tensor((1000,), torch.float32, 1), "b": rand_tensor((7,), torch.int8, 2),
+         "blob": b"x" * 10},
+        {"a": rand_tensor((3000,), torch.float32, 3), "b": rand_tensor((7,), torch.int8, 4),
+         "blob": b"y" * 50_000},  # a grows, the bytes item grows
+        {"a": rand_tensor((10,), torch.float32, 5), "blob": b"z"},  # shrinks, one tensor fewer
+        {"b": rand_tensor((5000,), torch.int16, 6), "a": rand_tensor((10,), torch.float32, 7),
+         "c": rand_tensor((33,), torch.float64, 8)},  # other order, one more, no bytes item
+        {f"{long}{k}": rand_tensor((k + 1,), torch.float32, 9 + k) for k in range(200)},
+        {f"{long}{k}": rand_tensor((k + 1,), torch.float32, 300 + k) for k in range(200)},
+        {"a": rand_tensor((1000,), torch.float32, 11), "blob": b"q" * 3},
+        # one page each: the same slot size, the file cut short of the page by the last save
+        {"u": rand_tensor((100,), torch.uint8, 12)},
+        {"u": rand_tensor((4000,), torch.uint8, 13)},
+        {"u": rand_tensor((100,), torch.uint8, 14)},
+        {"u": rand_tensor((4096,), torch.uint8, 15)},
+    ]
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_slot_reuse_with_layouts_that_change(tiers: Tiers, engine: Engine,  # noqa: F811
+                                             keep: int) -> None:
+    """Tensors that grow or shrink, bytes items that grow or shrink, tensors added, dropped or
+    reordered, and headers larger than the slot's room: every step loads exactly, from the
+    memory tier and from its persisted copy, with no byte of an older step in it."""
+    states = _layouts()
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=keep,
+                           keep_durable=None, persist=1, engine=engine) as manager:
+        for step, state in enumerate(states, start=1):
+            manager.save(step, state).result(timeout=60)
+            manager.wait()
+            for root in (tiers.memory, tiers.durable):
+                assert_state_equal(load_into(state, root / f"step_{step}"), state)
+            out = blank_like(state)
+            assert manager.load(out, step=step) == step
+            assert_state_equal(out, state)
+    assert slot_mappings() == []
+
+
+# -- a save that fails after its slot became the data file --------------------------------------
+class FailFsync:
+    """An IOBackend over a real one whose fsyncs of files under ``prefix`` fail while
+    ``failing`` is set."""
+
+    def __init__(self, inner: IOBackend, prefix: Path) -> None:
+        self.inner = inner
+        self.name = f"failfsync({inner.name})"
+        self.prefix = str(prefix).rstrip("/") + "/"
+        self.failing = False
+
+    def write(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
+        self.inner.write(fd, path, reqs)
+
+    def read(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
+        self.inner.read(fd, path, reqs)
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self.inner.register(addr, nbytes)
+
+    def unregister(self, addr: int, nbytes: int) -> None:
+        self.inner.unregister(addr, nbytes)
+
+    def fsync(self, fd: int, path: str) -> None:
+        if self.failing and path.startswith(self.prefix):
+            raise OSError(5, "injected EIO", path)
+        self.inner.fsync(fd, path)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:  # noqa: F811
+    """A save whose data file fails (after its slot was renamed into the step directory) fails
+    alone: the steps committed before stay loadable, the next saves go into slots again, and
+    the slot files stay bounded by keep_memory + 2."""
+    io = FailFsync(ThreadPoolBackend(), tiers.memory)
+    engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=4)
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
+                               persist=None, engine=engine) as manager:
+            good = {}
+            for step in range(1, 11):
+                state = make_state(step, big=MiB)
+                io.failing = step % 3 == 0
+                handle = manager.save(step, state)
+                if io.failing:
+                    with pytest.raises(CheckpointException, match="injected EIO"):
+                        handle.result(timeout=30)
+                    with pytest.raises(CheckpointException, match="injected EIO"):
+                        manager.wait()
+                else:
+                    handle.result(timeout=30)
+                    manager.wait()
+                    good[step] = state
+                files = [p for p in tiers.memory.rglob("*")
+                         if p.is_file() and (p.name.startswith("slot_")
+                                             or p.suffix == ".safetensors")]
+                assert len(files) <= 2 + 2, files
+            io.failing = False
+            for step in steps_in(tiers.memory):
+                assert_state_equal(load_into(good[step], tiers.memory / f"step_{step}"),
+                                   good[step])
+            assert steps_in(tiers.memory) == [8, 10]
+            assert len(data_files(tiers.memory / "step_10")) == 1
+        assert slot_mappings() == []
+    finally:
+        engine.close()
+        io.close()
+
+
+# -- rollback ------------------------------------------------------------------------------------
+def test_rollback_keeps_the_newer_steps_and_says_so(tiers: Tiers, engine: Engine,  # noqa: F811
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """After load(step=older) and saves of steps before the newest, the newer steps stay
+    (documented): latest_step() returns the newest, a re-saved step holds the new state, and
+    the save of a step older than one in the tier logs a warning."""
+    caplog.set_level(logging.WARNING, logger="dcp_datastates")
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=5, persist=None,
+                           engine=engine) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, make_state(step)).result(timeout=30)
+        out = blank_like(make_state(1))
+        assert manager.load(out, step=1) == 1
+        again = make_state(20)
+        manager.save(2, again).result(timeout=30)
+        manager.wait()
+        assert any("holds newer steps [3]" in r.getMessage() for r in caplog.records)
+        assert manager.latest_step() == 3
+        out = blank_like(again)
+        assert manager.load(out, step=2) == 2
+        assert_state_equal(out, again)
