@@ -440,7 +440,8 @@ def test_memory_tier_too_small_fails_the_save_and_training_goes_on(tiers: Tiers,
 # -- retention -----------------------------------------------------------------------------------
 def test_retention_keeps_k_also_while_persists_overlap_saves(tiers: Tiers, held_engine) -> None:
     """keep_memory=2, keep_durable=2: a step being persisted stays in memory while newer saves
-    commit, and goes once its persist is over; the durable tier keeps its 2 newest."""
+    commit, and goes once its persist is over; the persist then goes on with the newest step
+    committed meanwhile; the durable tier keeps its 2 newest."""
     engine, hold = held_engine
     expected = {s: make_state(s) for s in range(1, 8)}
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
@@ -458,8 +459,10 @@ def test_retention_keeps_k_also_while_persists_overlap_saves(tiers: Tiers, held_
 
         hold.gate.set()
         manager.wait()
-        assert steps_in(tiers.durable) == [1]
+        # the disk free again, the persist went straight on with the newest step, 4 (not 2 or 3)
+        assert steps_in(tiers.durable) == [1, 4]
         assert dirs_in(tiers.memory) == ["step_3", "step_4"]
+        assert [f.step for f in manager.history if f.persist_s is not None] == [1, 4]
 
         for step in (5, 6, 7):
             handles[step] = manager.save(step, make_state(step))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from ..directory import memory_backed
 from ..engine import Engine, default_engine
@@ -115,9 +116,11 @@ class CheckpointManager:
         keep_durable: durable checkpoints kept (None: all).
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
             as its file system has free. A save that would not fit fails before writing.
-        persist: ``"idle"`` persists a save whenever every rank's previous persist is over;
-            an integer N persists every N-th save (one due while a persist still runs is
-            deferred to the next save that finds every rank idle; logged); None never.
+        persist: ``"idle"`` keeps the disk busy: a save is persisted when every rank's
+            previous persist is over, and a persist that ends goes straight on with the newest
+            step committed meanwhile, if any; an integer N persists every N-th save (one
+            due while a persist still runs is deferred to the next save that finds every rank
+            idle; logged); None never.
         replicate: also keep each rank's memory checkpoints in the next rank's memory tier
             (another node's, in a real job), so a lost node's memory can be restored from memory.
         engine: the :class:`~dcp_datastates.Engine` (default: the process's engine).
@@ -156,12 +159,17 @@ class CheckpointManager:
         self._group = dist.new_group(backend="gloo") if distributed else None
         self.replicate = replicate and self.world > 1
         self._replica_group = dist.new_group(backend="gloo") if self.replicate else None
+        self._persist_group = (dist.new_group(backend="gloo")
+                               if distributed and self.persist_policy == "idle" else None)
         if replicate and self.world == 1:
             log.info("dcp_datastates: replicate=True with one rank: no peer to replicate to")
         # on tmpfs, snapshots go straight into slot files that become the steps' data files
         self._slots = (SlotPool(self.engine, self.memory, keep_memory + 2)
                        if memory_backed(self.memory) else None)
         self._after = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-tier")
+        # runs each save's DCP part, as dcp.async_save's thread would (so not "dcp_datastates-":
+        # the writer ties a DCP save to the snapshot its thread took)
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager-upload")
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-persist")
         self._persisting: Future | None = None
         self._owed = False  # a persist was due but deferred
@@ -225,20 +233,29 @@ class CheckpointManager:
             TierRecord(step, self.rank, self.world).write(directory)
             writer = DataStatesWriter(directory, engine=self.engine, overwrite=True,
                                       snapshot_into=slot)
-            response = dcp.async_save(state, checkpoint_id=str(directory),
-                                      storage_writer=writer, no_dist=True,
-                                      process_group=self._group)
+            staged = writer.stage(state)
+            committed = self._uploader.submit(self._upload, writer, staged, directory)
         except Exception as exc:  # noqa: BLE001 - the handle carries it; training goes on
             log.error("dcp_datastates: checkpoint of step %d not taken: %s", step, exc)
             failed: Future = Future()
             failed.set_exception(exc)
             return SaveHandle(step, failed, failed)
-        handle = SaveHandle(step, response.staging_completion, response.upload_completion)
+        handle = SaveHandle(step, staged, committed)
         handle.figures.blocked_s = time.perf_counter() - start
         handle.figures.bytes = nbytes
         handle.staged.add_done_callback(
             lambda _f: setattr(handle.figures, "snapshot_s", time.perf_counter() - start))
         return handle
+
+    def _upload(self, writer: DataStatesWriter, staged: Future, directory: Path) -> None:
+        """The rest of a save, as ``dcp.async_save`` runs it on a thread of its own (this
+        thread stays, so a save costs the training loop no thread start): DCP's save of the
+        snapshot, once it is copied."""
+        try:
+            dcp.save(staged.result(), checkpoint_id=str(directory), storage_writer=writer,
+                     no_dist=True, process_group=self._group)
+        finally:
+            writer.close()  # a snapshot that DCP's save did not take is given back
 
     def _room(self, reused: int = 0) -> int:
         """Bytes a new memory-tier checkpoint may take now, besides the ``reused`` bytes of
@@ -276,6 +293,40 @@ class CheckpointManager:
 
     def _persist(self, step: int, memory_commit: Future | None,
                  figures: SaveFigures | None) -> None:
+        """Persist ``step``; with ``persist="idle"``, then (the disk being free) the newest step
+        every rank has committed in memory since, and so on while there is one. Every rank
+        takes each "and so on" decision together, on a group of the persist thread's own."""
+        error = self._persist_one(step, memory_commit, figures)
+        ok = error is None
+        while self.persist_policy == "idle":
+            nxt = self._next_to_persist(step, ok)
+            if nxt is None:
+                break
+            chained = self._persist_one(nxt, None, self._figures_of(nxt))
+            if chained is not None:
+                self._unreported.append(chained)
+            ok, step = chained is None, nxt
+        if error is not None:
+            raise error
+
+    def _next_to_persist(self, after: int, ok: bool) -> int | None:
+        """The newest step committed in memory on every rank and newer than ``after``, if
+        every rank's last persist went well (None: stop)."""
+        mine = [s for s in committed_steps(self.memory)
+                if s > after and complete(step_dir(self.memory, s))] if ok else []
+        candidate = mine[-1] if mine else -1
+        if self._persist_group is not None:
+            t = torch.tensor([candidate], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._persist_group)
+            candidate = int(t.item())
+        return candidate if candidate > after else None
+
+    def _figures_of(self, step: int) -> SaveFigures | None:
+        return next((f for f in reversed(self.history) if f.step == step), None)
+
+    def _persist_one(self, step: int, memory_commit: Future | None,
+                     figures: SaveFigures | None) -> BaseException | None:
+        """Persist ``step``; return what failed (logged), or None."""
         start = time.perf_counter()
         target = step_dir(self.durable, step)
         try:
@@ -283,9 +334,9 @@ class CheckpointManager:
                 if memory_commit is not None:
                     memory_commit.result()
                 done = persist_part(self.engine, step_dir(self.memory, step), target)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - the caller raises or records it
             log.error("dcp_datastates: persist of step %d to %s failed: %s", step, target, exc)
-            raise
+            return exc
         finally:
             # retention left this step while it was read: drop it now if it is beyond keep_memory
             with contextlib.suppress(RuntimeError):  # the manager is closing
@@ -295,6 +346,7 @@ class CheckpointManager:
         if done:
             log.info("dcp_datastates: step %d persisted to %s", step, target)
             self._retain(self.durable, self.keep_durable)
+        return None
 
     def _after_commit(self, handle: SaveHandle, start: float, slot: Slot | None) -> None:
         """In save order: the slot, the figures, the memory tier's retention, the replica."""
@@ -387,6 +439,7 @@ class CheckpointManager:
             self._persist_leftover("the newest checkpoint")
             self._drain()
         finally:
+            self._uploader.shutdown(wait=True)
             self._after.shutdown(wait=True)
             self._persister.shutdown(wait=True)
             if self._slots is not None:
@@ -533,9 +586,22 @@ def _plain(state: dict) -> dict:
 
 
 def _state_bytes(state: dict) -> int:
-    sources: list[torch.Tensor] = []
-    walk(state, sources, {}, set())
-    return sum(round_up(nbytes_of(t)) for t in sources)
+    """Bytes the tensors of ``state`` take, each rounded up to a page (shared ones once)."""
+    total, seen, todo = 0, set(), [state]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, DTensor):
+            total += round_up(nbytes_of(obj.to_local()))
+        elif isinstance(obj, torch.Tensor):
+            total += round_up(nbytes_of(obj))
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list):
+            todo.extend(obj)
+    return total
 
 
 def _ok(future: Future) -> bool:
