@@ -214,7 +214,9 @@ def tiers(tr: Trainer, path: Path, setup: dict, rec: dict) -> Iterator[Save]:
             rec["tiers"] = {"saves": len(manager.history), "persisted": len(persisted),
                             "span_s": span, "bytes": nbytes,
                             "persist_s": [f.persist_s for f in persisted],
-                            "memory_s": [f.memory_s for f in manager.history]}
+                            "memory_s": [f.memory_s for f in manager.history],
+                            "snapshot_s": [f.snapshot_s for f in manager.history],
+                            "blocked_s": [f.blocked_s for f in manager.history]}
             manager.close()
             rec["tiers"]["restart"] = restart(tr, manager, engine)
     finally:

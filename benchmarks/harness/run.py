@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import shlex
 import sys
@@ -24,14 +25,18 @@ def log(msg: str) -> None:
 
 
 def parser(doc: str, smoke: str | None = None) -> argparse.ArgumentParser:
-    """The script's arguments, with ``doc`` as their help: ``--json``, which every one has, and
-    ``--cpu-smoke`` (a small run on CPU that checks the code paths: ``smoke`` says how)."""
+    """The script's arguments, with ``doc`` as their help: ``--json`` and ``--log``, which every
+    one has, and ``--cpu-smoke`` (a small run on CPU that checks the code paths: ``smoke`` says
+    how)."""
     head, _, rest = doc.strip().partition("\n\n")
     ap = argparse.ArgumentParser(description=head, epilog=rest,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None,
                     help="the results' JSON, the PNG goes beside it (default: "
                     "benchmarks/out/<script>.json, <script>_cpu_smoke.json in a CPU smoke run)")
+    ap.add_argument("--log", type=Path, default=None,
+                    help="write dcp_datastates' log at INFO level (each save's and load's "
+                    "figures) to this file")
     if smoke:
         ap.add_argument("--cpu-smoke", action="store_true", help=f"{smoke} (checks the code paths)")
     return ap
@@ -54,6 +59,13 @@ class Run:
     def __init__(self, name: str, args: argparse.Namespace, dirs: list[Path] = (), *,
                  launcher: str = "python") -> None:
         smoke = getattr(args, "cpu_smoke", False)
+        if getattr(args, "log", None) is not None:
+            handler = logging.FileHandler(args.log, mode="w")
+            handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f ms %(threadName)s "
+                                                   "%(message)s"))
+            logger = logging.getLogger("dcp_datastates")
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
         self.t0 = time.perf_counter()
         self.json = args.json or OUT / f"{name}{'_cpu_smoke' if smoke else ''}.json"
         self.res: dict = {

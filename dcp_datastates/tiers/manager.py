@@ -111,8 +111,9 @@ class CheckpointManager:
         memory_dir: this rank's memory tier; default
             ``/dev/shm/dcp_datastates/<hash of durable_dir>/rank_<rank>``. Give every rank of
             a node its own directory (the default does).
-        keep_memory: memory-tier checkpoints kept (each rank keeps this many, plus one being
-            written and one being persisted: size the tier for ``keep_memory + 2`` states).
+        keep_memory: memory-tier checkpoints kept (each rank keeps this many, plus up to two
+            being written and one being persisted: size the tier for ``keep_memory + 3``
+            states).
         keep_durable: durable checkpoints kept (None: all).
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
             as its file system has free. A save that would not fit fails before writing.
@@ -164,7 +165,7 @@ class CheckpointManager:
         if replicate and self.world == 1:
             log.info("dcp_datastates: replicate=True with one rank: no peer to replicate to")
         # on tmpfs, snapshots go straight into slot files that become the steps' data files
-        self._slots = (SlotPool(self.engine, self.memory, keep_memory + 2)
+        self._slots = (SlotPool(self.engine, self.memory, keep_memory + 3)
                        if memory_backed(self.memory) else None)
         self._after = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-tier")
         # runs each save's DCP part, as dcp.async_save's thread would (so not "dcp_datastates-":
