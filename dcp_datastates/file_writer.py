@@ -25,6 +25,9 @@ from .io.base import ALIGN, IOBackend, IOReq
 
 #: Bytes gathered into one bounce buffer, and the size of one write request.
 EXTENT_BYTES = 16 << 20
+#: Write tasks of one file queued on the I/O threads at once: a large file (a persist's) does
+#: not queue the whole of itself ahead of another save's few small writes.
+MAX_QUEUED = 16
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class DataFile:
         self.extent = min(EXTENT_BYTES, max(ALIGN, bounce.capacity // 4 // ALIGN * ALIGN))
         self.fd, self.direct = open_for_write(path, direct, create)
         self._cancel = threading.Event()
+        self._queued = threading.BoundedSemaphore(MAX_QUEUED)
         self._futures: list[Future] = []
 
     def preallocate(self, nbytes: int) -> None:
@@ -108,7 +112,8 @@ class DataFile:
                 raise
 
     def write(self, pieces: list[Piece]) -> None:
-        """Start writing ``pieces`` (returns at once; :meth:`finish` waits)."""
+        """Start writing ``pieces`` (returns once the last batch is queued; :meth:`finish`
+        waits for them)."""
         runs = coalesce(pieces)
         if not self.direct:
             reqs = [IOReq(r.addr + s, min(self.extent, r.nbytes - s), r.offset + s)
@@ -157,15 +162,23 @@ class DataFile:
             self.path.unlink(missing_ok=True)
 
     def _start(self, fn: Callable, *args: object) -> None:
-        self._futures.append(self.submit(self._guarded, fn, *args))
+        """Submit ``fn(*args)``, waiting while ``MAX_QUEUED`` of this file's are queued."""
+        self._queued.acquire()
+        try:
+            self._futures.append(self.submit(self._guarded, fn, *args))
+        except BaseException:
+            self._queued.release()
+            raise
 
     def _guarded(self, fn: Callable, *args: object) -> None:
-        if not self._cancel.is_set():
-            try:
+        try:
+            if not self._cancel.is_set():
                 fn(*args)
-            except BaseException:
-                self._cancel.set()
-                raise
+        except BaseException:
+            self._cancel.set()
+            raise
+        finally:
+            self._queued.release()
 
     def _write(self, reqs: list[IOReq]) -> None:
         self.io.write(self.fd, str(self.path), reqs)

@@ -199,7 +199,7 @@ class SaveJob:
         name = f"{plan.storage_data}{self.token}.safetensors"
         tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         raw_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-        serialized = [self.engine.submit(_serialize, planner, i) for i in raw_items]
+        serialized = [self.engine.compute(_serialize, planner, i) for i in raw_items]
         tensors = [planner.resolve_data(i).detach() for i in tensor_items]
         specs = [ItemSpec(entry_name(i.index), t.dtype, tuple(t.shape), nbytes_of(t))
                  for i, t in zip(tensor_items, tensors, strict=True)]
