@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,8 +254,9 @@ class CheckpointManager:
         thread stays, so a save costs the training loop no thread start): DCP's save of the
         snapshot, once it is copied."""
         try:
-            dcp.save(staged.result(), checkpoint_id=str(directory), storage_writer=writer,
-                     no_dist=True, process_group=self._group)
+            with _storage_errors():  # a full tier, a failed write
+                dcp.save(staged.result(), checkpoint_id=str(directory), storage_writer=writer,
+                         no_dist=True, process_group=self._group)
         finally:
             writer.close()  # a snapshot that DCP's save did not take is given back
 
@@ -502,15 +504,9 @@ class CheckpointManager:
         return step
 
     def _read(self, state: dict, directory: Path) -> None:
-        try:
+        with _storage_errors():  # a checksum mismatch, a short file
             dcp.load(state, checkpoint_id=str(directory),
                      storage_reader=DataStatesReader(engine=self.engine), no_dist=True)
-        except CheckpointException as exc:
-            # DCP wraps what the reader raised (a checksum mismatch, a short file): raise that
-            inner = [e for e, _trace in exc.failures.values() if isinstance(e, CheckpointError)]
-            if inner:
-                raise inner[0] from exc
-            raise
 
     # -- what the ranks share -------------------------------------------------------------------
     def _view(self) -> dict:
@@ -574,6 +570,19 @@ class _Reading:
                 self.manager._busy[self.step] = left
             else:
                 del self.manager._busy[self.step]
+
+
+@contextlib.contextmanager
+def _storage_errors() -> Iterator[None]:
+    """Raise what a storage step raised (an OSError, a CheckpointError) rather than DCP's
+    ``CheckpointException`` that wraps it, which ``except Exception`` does not catch."""
+    try:
+        yield
+    except CheckpointException as exc:
+        inner = [e for e, _trace in exc.failures.values() if isinstance(e, Exception)]
+        if inner:
+            raise inner[0] from exc
+        raise
 
 
 def _default_memory_dir(durable: Path | None, rank: int) -> Path:
