@@ -219,13 +219,7 @@ class Engine:
         :meth:`close`. Pinning costs about 0.5 s per GiB."""
         with self._grow_lock:
             self._check_open()
-        arena = Arena(nbytes, name, fd=fd)
-        try:
-            if self.cuda is not None:
-                self.cuda.pin(arena.addr, arena.nbytes)
-        except BaseException:
-            arena.free()
-            raise
+        arena = self._pinned(Arena(nbytes, name, fd=fd))
         with self._grow_lock:
             closed = self.closed
             if not closed:
@@ -252,14 +246,18 @@ class Engine:
         arena.free()
 
     def _make_arena(self, nbytes: int, name: str) -> Arena:
-        arena = Arena(nbytes, name)
+        arena = self._pinned(Arena(nbytes, name))
+        self.io.register(arena.addr, arena.nbytes)
+        return arena
+
+    def _pinned(self, arena: Arena) -> Arena:
+        """``arena``, pinned for GPU copies where there are GPUs (freed if pinning fails)."""
         try:
             if self.cuda is not None:
                 self.cuda.pin(arena.addr, arena.nbytes)
         except BaseException:
             arena.free()
             raise
-        self.io.register(arena.addr, arena.nbytes)
         return arena
 
     def _free_arena(self, arena: Arena) -> None:
