@@ -19,6 +19,7 @@ import logging
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcp_datastates import CheckpointManager, DataStatesReader, Engine, TierFullError
+from dcp_datastates.io import make_backend
 
 pytestmark = [
     pytest.mark.mpi,
@@ -375,3 +377,75 @@ def test_save_refused_on_one_rank_only(world: World, nodes: Path, shared: Path,
         assert committed_steps(durable) == [2]
         assert committed_steps(mine) == ([2] if world.rank == 1 else [2, 3])
     agree(errors, f"a save refused on rank 1 of {world.size}")
+
+
+# -- persist="idle": the chain takes a step every rank holds -------------------------------------
+class SlowFsync:
+    """An IOBackend over a real one whose fsyncs of files under each prefix take that long."""
+
+    def __init__(self, delays: dict[Path, float]) -> None:
+        self.inner, _ = make_backend("threads")
+        self.name = f"slowfsync({self.inner.name})"
+        self.delays = {str(p).rstrip("/") + "/": d for p, d in delays.items()}
+
+    def write(self, fd, path, reqs) -> None:
+        self.inner.write(fd, path, reqs)
+
+    def read(self, fd, path, reqs) -> None:
+        self.inner.read(fd, path, reqs)
+
+    def register(self, addr, nbytes) -> None:
+        self.inner.register(addr, nbytes)
+
+    def unregister(self, addr, nbytes) -> None:
+        self.inner.unregister(addr, nbytes)
+
+    def fsync(self, fd, path) -> None:
+        for prefix, delay in self.delays.items():
+            if path.startswith(prefix):
+                time.sleep(delay)
+        self.inner.fsync(fd, path)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_idle_chain_persists_only_a_step_every_rank_holds(world: World, nodes: Path,
+                                                          shared: Path) -> None:
+    """Rank 1 commits into memory slowly, rank 0 fast (keep_memory=1: it keeps only its
+    newest). When the first persist ends, the ranks' newest committed steps differ and rank 1's
+    is gone from rank 0: the chain must not pick it (no rank fails a persist), and every
+    durable step it commits loads."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "durable"
+    delays = {durable: 1.0}
+    if world.rank == 1:
+        delays[mine] = 0.3
+    engine = Engine(host_cache_size="8MiB", io_backend=SlowFsync(delays), io_workers=2)
+    errors: list[str] = []
+    try:
+        manager = CheckpointManager(durable, memory_dir=mine, keep_memory=1, keep_durable=None,
+                                    engine=engine)
+        try:
+            for step in range(1, 9):
+                manager.save(step, rank_state(world.rank, step))
+                time.sleep(0.05)
+            err = error_of(manager.wait)
+            with collecting(errors, "wait"):
+                assert err is None, repr(err)
+        finally:
+            err = error_of(manager.close)
+        with collecting(errors, "close"):
+            assert err is None, repr(err)
+        done = committed_steps(durable)
+        with collecting(errors, "durable steps"):
+            assert done and done[0] == 1 and done[-1] == 8, done
+        for step in done:
+            out = blank_like(rank_state(world.rank, step))
+            dcp.load(out, checkpoint_id=durable / f"step_{step}",
+                     storage_reader=DataStatesReader(engine=engine))
+            check(errors, f"durable step {step}", out, rank_state(world.rank, step))
+    finally:
+        engine.close()
+        engine.io.close()
+    agree(errors, f"persist='idle' chain with ranks at different steps ({world.size} ranks)")
