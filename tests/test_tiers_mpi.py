@@ -387,6 +387,8 @@ class SlowFsync:
         self.inner, _ = make_backend("threads")
         self.name = f"slowfsync({self.inner.name})"
         self.delays = {str(p).rstrip("/") + "/": d for p, d in delays.items()}
+        self.failing: str | None = None  # fsyncs of files under this prefix fail
+
 
     def write(self, fd, path, reqs) -> None:
         self.inner.write(fd, path, reqs)
@@ -401,6 +403,8 @@ class SlowFsync:
         self.inner.unregister(addr, nbytes)
 
     def fsync(self, fd, path) -> None:
+        if self.failing is not None and path.startswith(self.failing):
+            raise OSError(5, "injected EIO", path)
         for prefix, delay in self.delays.items():
             if path.startswith(prefix):
                 time.sleep(delay)
@@ -449,3 +453,46 @@ def test_idle_chain_persists_only_a_step_every_rank_holds(world: World, nodes: P
         engine.close()
         engine.io.close()
     agree(errors, f"persist='idle' chain with ranks at different steps ({world.size} ranks)")
+
+
+def test_idle_persist_failing_on_one_rank_stops_every_rank_chain(world: World, nodes: Path,
+                                                                shared: Path) -> None:
+    """persist='idle': step 2's persist fails on rank 1 only. Every rank leaves the chain at
+    the same point (no rank waits in a collective of the persist group), rank 1 alone reports
+    the error, step 2 is no durable checkpoint, and the next save persists as before."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "durable"
+    io = SlowFsync({durable: 0.2})
+    engine = Engine(host_cache_size="8MiB", io_backend=io, io_workers=2)
+    errors: list[str] = []
+    try:
+        manager = CheckpointManager(durable, memory_dir=mine, keep_memory=2, engine=engine)
+        try:
+            manager.save(1, rank_state(world.rank, 1))
+            with collecting(errors, "save 1"):
+                assert error_of(manager.wait) is None
+            dist.barrier()
+            if world.rank == 1:
+                io.failing = str(durable / "step_2") + "/"
+            manager.save(2, rank_state(world.rank, 2))
+            err = error_of(manager.wait)
+            with collecting(errors, "save 2"):
+                if world.rank == 1:
+                    assert isinstance(err, OSError) and "injected EIO" in str(err), repr(err)
+                else:
+                    assert err is None, repr(err)
+            io.failing = None
+            manager.save(3, rank_state(world.rank, 3))
+            with collecting(errors, "save 3"):
+                assert error_of(manager.wait) is None
+        finally:
+            err = error_of(manager.close)
+        with collecting(errors, "close"):
+            assert err is None, repr(err)
+        dist.barrier()
+        with collecting(errors, "durable steps"):
+            assert committed_steps(durable) == [1, 3], committed_steps(durable)
+    finally:
+        engine.close()
+        io.close()
+    agree(errors, f"a persist failing on rank 1 of {world.size}")
