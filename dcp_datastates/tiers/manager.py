@@ -174,6 +174,7 @@ class CheckpointManager:
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager-upload")
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-persist")
         self._persisting: Future | None = None
+        self._leftover: Future | None = None  # a persist no save's handle carries
         self._owed = False  # a persist was due but deferred
         self._saves = 0
         self._lock = threading.Lock()
@@ -442,6 +443,9 @@ class CheckpointManager:
                 self._unreported.append(error)
         if self._persisting is not None:
             self._persisting.exception()
+        leftover, self._leftover = self._leftover, None
+        if leftover is not None and leftover.exception() is not None:
+            self._unreported.append(leftover.exception())
         self._after.submit(lambda: None).result()
 
     def _raise_unreported(self) -> None:
@@ -452,8 +456,9 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for every save, persist the newest if the durable tier lacks it, then stop
         the manager's threads (the engine stays). Raises the first error of the saves not yet
-        reported, after all that: a save that failed on some ranks only must not keep them out
-        of the collective that the others are in. Closing again does nothing."""
+        reported (or of that last persist), after all that: a save that failed on some ranks
+        only must not keep them out of the collective that the others are in.
+        Closing again does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -567,7 +572,8 @@ class CheckpointManager:
         if common and (not durable or max(common) > durable[-1]):
             step = max(common)
             log.info("dcp_datastates: persisting step %d (%s)", step, what)
-            self._persisting = self._persister.submit(self._persist, step, None, None)
+            self._persisting = self._leftover = self._persister.submit(
+                self._persist, step, None, None)
 
     def _reading(self, step: int) -> _Reading:
         return _Reading(self, step)
