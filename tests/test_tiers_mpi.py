@@ -414,8 +414,9 @@ class SlowFsync:
         self.inner.close()
 
 
+@pytest.mark.parametrize("replicate", [False, True])
 def test_idle_chain_persists_only_a_step_every_rank_holds(world: World, nodes: Path,
-                                                          shared: Path) -> None:
+                                                          shared: Path, replicate: bool) -> None:
     """Rank 1 commits into memory slowly, rank 0 fast (keep_memory=1: it keeps only its
     newest). When the first persist ends, the ranks' newest committed steps differ and rank 1's
     is gone from rank 0: the chain must not pick it (no rank fails a persist), and every
@@ -429,7 +430,7 @@ def test_idle_chain_persists_only_a_step_every_rank_holds(world: World, nodes: P
     errors: list[str] = []
     try:
         manager = CheckpointManager(durable, memory_dir=mine, keep_memory=1, keep_durable=None,
-                                    engine=engine)
+                                    replicate=replicate, engine=engine)
         try:
             for step in range(1, 9):
                 manager.save(step, rank_state(world.rank, step))
