@@ -260,3 +260,33 @@ def test_rollback_keeps_the_newer_steps_and_says_so(tiers: Tiers, engine: Engine
         out = blank_like(again)
         assert manager.load(out, step=2) == 2
         assert_state_equal(out, again)
+
+
+# -- the persist that close() (or a new manager) makes ------------------------------------------
+def test_a_failed_final_persist_is_raised_by_close(tiers: Tiers) -> None:  # noqa: F811
+    """close() persists the newest step when the durable tier lacks it: when that persist
+    fails, close() raises its error (it is the run's last checkpoint: a log line alone would
+    let the job end as if it were durable); so does wait() for the persist of what an earlier
+    process left."""
+    io = FailFsync(ThreadPoolBackend(), tiers.durable)
+    engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=4)
+    try:
+        manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=100,
+                                    engine=engine)
+        manager.save(1, make_state(1, big=MiB))
+        manager.wait()
+        io.failing = True
+        with pytest.raises(OSError, match="injected EIO"):
+            manager.close()
+        assert steps_in(tiers.durable) == []
+        # a new manager persists the step left in memory: its failure is reported too
+        manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=100,
+                                    engine=engine)
+        with pytest.raises(OSError, match="injected EIO"):
+            manager.wait()
+        io.failing = False
+        manager.close()
+        assert steps_in(tiers.durable) == [1]
+    finally:
+        engine.close()
+        io.close()

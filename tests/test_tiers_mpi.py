@@ -19,6 +19,7 @@ import logging
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcp_datastates import CheckpointManager, DataStatesReader, Engine, TierFullError
+from dcp_datastates.io import make_backend
 
 pytestmark = [
     pytest.mark.mpi,
@@ -375,3 +377,123 @@ def test_save_refused_on_one_rank_only(world: World, nodes: Path, shared: Path,
         assert committed_steps(durable) == [2]
         assert committed_steps(mine) == ([2] if world.rank == 1 else [2, 3])
     agree(errors, f"a save refused on rank 1 of {world.size}")
+
+
+# -- persist="idle": the chain takes a step every rank holds -------------------------------------
+class SlowFsync:
+    """An IOBackend over a real one whose fsyncs of files under each prefix take that long."""
+
+    def __init__(self, delays: dict[Path, float]) -> None:
+        self.inner, _ = make_backend("threads")
+        self.name = f"slowfsync({self.inner.name})"
+        self.delays = {str(p).rstrip("/") + "/": d for p, d in delays.items()}
+        self.failing: str | None = None  # fsyncs of files under this prefix fail
+
+
+    def write(self, fd, path, reqs) -> None:
+        self.inner.write(fd, path, reqs)
+
+    def read(self, fd, path, reqs) -> None:
+        self.inner.read(fd, path, reqs)
+
+    def register(self, addr, nbytes) -> None:
+        self.inner.register(addr, nbytes)
+
+    def unregister(self, addr, nbytes) -> None:
+        self.inner.unregister(addr, nbytes)
+
+    def fsync(self, fd, path) -> None:
+        if self.failing is not None and path.startswith(self.failing):
+            raise OSError(5, "injected EIO", path)
+        for prefix, delay in self.delays.items():
+            if path.startswith(prefix):
+                time.sleep(delay)
+        self.inner.fsync(fd, path)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("replicate", [False, True])
+def test_idle_chain_persists_only_a_step_every_rank_holds(world: World, nodes: Path,
+                                                          shared: Path, replicate: bool) -> None:
+    """Rank 1 commits into memory slowly, rank 0 fast (keep_memory=1: it keeps only its
+    newest). When the first persist ends, the ranks' newest committed steps differ and rank 1's
+    is gone from rank 0: the chain must not pick it (no rank fails a persist), and every
+    durable step it commits loads."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "durable"
+    delays = {durable: 1.0}
+    if world.rank == 1:
+        delays[mine] = 0.3
+    engine = Engine(host_cache_size="8MiB", io_backend=SlowFsync(delays), io_workers=2)
+    errors: list[str] = []
+    try:
+        manager = CheckpointManager(durable, memory_dir=mine, keep_memory=1, keep_durable=None,
+                                    replicate=replicate, engine=engine)
+        try:
+            for step in range(1, 9):
+                manager.save(step, rank_state(world.rank, step))
+                time.sleep(0.05)
+            err = error_of(manager.wait)
+            with collecting(errors, "wait"):
+                assert err is None, repr(err)
+        finally:
+            err = error_of(manager.close)
+        with collecting(errors, "close"):
+            assert err is None, repr(err)
+        done = committed_steps(durable)
+        with collecting(errors, "durable steps"):
+            assert done and done[0] == 1 and done[-1] == 8, done
+        for step in done:
+            out = blank_like(rank_state(world.rank, step))
+            dcp.load(out, checkpoint_id=durable / f"step_{step}",
+                     storage_reader=DataStatesReader(engine=engine))
+            check(errors, f"durable step {step}", out, rank_state(world.rank, step))
+    finally:
+        engine.close()
+        engine.io.close()
+    agree(errors, f"persist='idle' chain with ranks at different steps ({world.size} ranks)")
+
+
+def test_idle_persist_failing_on_one_rank_stops_every_rank_chain(world: World, nodes: Path,
+                                                                shared: Path) -> None:
+    """persist='idle': step 2's persist fails on rank 1 only. Every rank leaves the chain at
+    the same point (no rank waits in a collective of the persist group), rank 1 alone reports
+    the error, step 2 is no durable checkpoint, and the next save persists as before."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "durable"
+    io = SlowFsync({durable: 0.2})
+    engine = Engine(host_cache_size="8MiB", io_backend=io, io_workers=2)
+    errors: list[str] = []
+    try:
+        manager = CheckpointManager(durable, memory_dir=mine, keep_memory=2, engine=engine)
+        try:
+            manager.save(1, rank_state(world.rank, 1))
+            with collecting(errors, "save 1"):
+                assert error_of(manager.wait) is None
+            dist.barrier()
+            if world.rank == 1:
+                io.failing = str(durable / "step_2") + "/"
+            manager.save(2, rank_state(world.rank, 2))
+            err = error_of(manager.wait)
+            with collecting(errors, "save 2"):
+                if world.rank == 1:
+                    assert isinstance(err, OSError) and "injected EIO" in str(err), repr(err)
+                else:
+                    assert err is None, repr(err)
+            io.failing = None
+            manager.save(3, rank_state(world.rank, 3))
+            with collecting(errors, "save 3"):
+                assert error_of(manager.wait) is None
+        finally:
+            err = error_of(manager.close)
+        with collecting(errors, "close"):
+            assert err is None, repr(err)
+        dist.barrier()
+        with collecting(errors, "durable steps"):
+            assert committed_steps(durable) == [1, 3], committed_steps(durable)
+    finally:
+        engine.close()
+        io.close()
+    agree(errors, f"a persist failing on rank 1 of {world.size}")

@@ -174,6 +174,7 @@ class CheckpointManager:
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager-upload")
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-persist")
         self._persisting: Future | None = None
+        self._leftover: Future | None = None  # a persist no save's handle carries
         self._owed = False  # a persist was due but deferred
         self._saves = 0
         self._lock = threading.Lock()
@@ -302,27 +303,43 @@ class CheckpointManager:
         error = self._persist_one(step, memory_commit, figures)
         ok = error is None
         while self.persist_policy == "idle":
-            nxt = self._next_to_persist(step, ok)
-            if nxt is None:
-                break
-            chained = self._persist_one(nxt, None, self._figures_of(nxt))
+            with contextlib.ExitStack() as held:  # the step chosen, kept from retention
+                nxt = self._next_to_persist(step, ok, held)
+                if nxt is None:
+                    break
+                chained = self._persist_one(nxt, None, self._figures_of(nxt))
             if chained is not None:
                 self._unreported.append(chained)
             ok, step = chained is None, nxt
         if error is not None:
             raise error
 
-    def _next_to_persist(self, after: int, ok: bool) -> int | None:
+    def _next_to_persist(self, after: int, ok: bool,
+                         held: contextlib.ExitStack) -> int | None:
         """The newest step committed in memory on every rank and newer than ``after``, if
-        every rank's last persist went well (None: stop)."""
-        mine = [s for s in committed_steps(self.memory)
-                if s > after and complete(step_dir(self.memory, s))] if ok else []
-        candidate = mine[-1] if mine else -1
-        if self._persist_group is not None:
-            t = torch.tensor([candidate], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._persist_group)
-            candidate = int(t.item())
-        return candidate if candidate > after else None
+        every rank's last persist went well (None: stop). Ranks commit at their own pace and
+        each drops its old steps, so this rank's newest step may be gone from another's tier:
+        the step is one every rank holds, marked as being read (in ``held``) before it is
+        offered, so retention leaves it until it is persisted."""
+        mine: list[int] = []
+        with contextlib.ExitStack() as offered:
+            if ok:
+                for s in steps(self.memory):
+                    if s > after:
+                        offered.enter_context(self._reading(s))
+                mine = [s for s in committed_steps(self.memory)
+                        if s > after and complete(step_dir(self.memory, s))]
+            common = set(mine)
+            if self._persist_group is not None:
+                views: list = [None] * self.world
+                dist.all_gather_object(views, mine if ok else None, group=self._persist_group)
+                common = (set.intersection(*(set(v) for v in views))
+                          if all(v is not None for v in views) else set())
+            if not common:
+                return None
+            chosen = max(common)
+            held.enter_context(self._reading(chosen))
+        return chosen
 
     def _figures_of(self, step: int) -> SaveFigures | None:
         return next((f for f in reversed(self.history) if f.step == step), None)
@@ -385,9 +402,13 @@ class CheckpointManager:
             s in done[:-keep] or (s < newest and s not in done))]
         for s in drop:
             directory = step_dir(root, s)
-            if root == self.memory and self._slots is not None:
-                uncommit(directory)  # before its data file goes back to being a free slot
-                self._slots.reclaim(directory)
+            if root == self.memory:
+                with self._lock:  # a step marked as being read meanwhile stays committed
+                    if s in self._busy:
+                        continue
+                    uncommit(directory)
+                if self._slots is not None:  # uncommitted: its data file may be a free slot
+                    self._slots.reclaim(directory)
             remove_step(directory)
 
     def prepare(self, state: dict) -> None:
@@ -422,6 +443,9 @@ class CheckpointManager:
                 self._unreported.append(error)
         if self._persisting is not None:
             self._persisting.exception()
+        leftover, self._leftover = self._leftover, None
+        if leftover is not None and leftover.exception() is not None:
+            self._unreported.append(leftover.exception())
         self._after.submit(lambda: None).result()
 
     def _raise_unreported(self) -> None:
@@ -432,8 +456,9 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for every save, persist the newest if the durable tier lacks it, then stop
         the manager's threads (the engine stays). Raises the first error of the saves not yet
-        reported, after all that: a save that failed on some ranks only must not keep them out
-        of the collective that the others are in. Closing again does nothing."""
+        reported (or of that last persist), after all that: a save that failed on some ranks
+        only must not keep them out of the collective that the others are in.
+        Closing again does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -547,7 +572,8 @@ class CheckpointManager:
         if common and (not durable or max(common) > durable[-1]):
             step = max(common)
             log.info("dcp_datastates: persisting step %d (%s)", step, what)
-            self._persisting = self._persister.submit(self._persist, step, None, None)
+            self._persisting = self._leftover = self._persister.submit(
+                self._persist, step, None, None)
 
     def _reading(self, step: int) -> _Reading:
         return _Reading(self, step)
