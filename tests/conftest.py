@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -255,3 +258,23 @@ def raises_in_dcp(exc_type: type[BaseException], match: str) -> Iterator[None]:
         err = errors[0]
     assert isinstance(err, exc_type), f"expected {exc_type.__name__}, got {err!r}"
     assert re.search(match, str(err)), f"{match!r} not in {str(err)!r}"
+
+
+@dataclass
+class Tiers:
+    """Checkpoint tier directories of one test."""
+
+    memory: Path  # under /dev/shm
+    durable: Path  # on disk
+    scratch: Path  # under /dev/shm, for anything else
+
+
+@pytest.fixture
+def tiers() -> Iterator[Tiers]:
+    shm = Path(tempfile.mkdtemp(prefix="dcp_tiers_test_", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="dcp_tiers_test_"))
+    try:
+        yield Tiers(shm / "memory", disk / "durable", shm / "scratch")
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)

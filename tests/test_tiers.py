@@ -16,12 +16,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
     MARKS,
+    Tiers,
     assert_state_equal,
     blank_like,
     clone_state,
@@ -164,24 +163,6 @@ class HoldWrites:
 
 
 # -- fixtures ------------------------------------------------------------------------------------
-@dataclass
-class Tiers:
-    memory: Path  # under /dev/shm
-    durable: Path  # on disk
-    scratch: Path  # under /dev/shm, for anything else
-
-
-@pytest.fixture
-def tiers() -> Iterator[Tiers]:
-    shm = Path(tempfile.mkdtemp(prefix="dcp_tiers_test_", dir="/dev/shm"))
-    disk = Path(tempfile.mkdtemp(prefix="dcp_tiers_test_"))
-    try:
-        yield Tiers(shm / "memory", disk / "durable", shm / "scratch")
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
-
-
 @pytest.fixture
 def engine(make_engine) -> Engine:
     return make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=4)

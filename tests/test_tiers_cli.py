@@ -15,15 +15,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, assert_state_equal, data_files, load_into, raises_in_dcp
-from test_tiers import ROOT, TESTS, Tiers, make_state, run_and_kill, steps_in
+from conftest import MARKS, Tiers, assert_state_equal, data_files, load_into, raises_in_dcp
+from test_tiers import ROOT, TESTS, make_state, run_and_kill, steps_in
 
 from dcp_datastates import CheckpointManager, Engine, cli
 from dcp_datastates.metadata_file import read_metadata
@@ -32,17 +30,6 @@ from dcp_datastates.tiers.steps import name_steps
 MiB = 1 << 20
 
 pytestmark = MARKS
-
-
-@pytest.fixture
-def tiers() -> Iterator[Tiers]:
-    shm = Path(tempfile.mkdtemp(prefix="dcp_tiers_cli_", dir="/dev/shm"))
-    disk = Path(tempfile.mkdtemp(prefix="dcp_tiers_cli_"))
-    try:
-        yield Tiers(shm / "memory", disk / "durable", shm / "scratch")
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
 
 
 @pytest.fixture

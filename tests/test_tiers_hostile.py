@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, assert_state_equal, blank_like, data_files, load_into, rand_tensor
-from test_tiers import Tiers, make_state, steps_in, tiers  # noqa: F401 - the fixture
+from conftest import (
+    MARKS,
+    Tiers,
+    assert_state_equal,
+    blank_like,
+    data_files,
+    load_into,
+    rand_tensor,
+)
+from test_tiers import make_state, steps_in
 
 from dcp_datastates import CheckpointManager, Engine, TierFullError
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
@@ -40,7 +48,7 @@ def tier_bytes(root: Path) -> int:
 
 
 # -- a step saved again --------------------------------------------------------------------------
-def test_saving_a_step_again_does_not_leak_its_slot(tiers: Tiers, engine: Engine,  # noqa: F811
+def test_saving_a_step_again_does_not_leak_its_slot(tiers: Tiers, engine: Engine,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """Saving a step that the memory tier holds (a rollback, a retried save) replaces its data
     file; the slot that held the old one must come back (free, or forgotten and unmapped), not
@@ -62,7 +70,7 @@ def test_saving_a_step_again_does_not_leak_its_slot(tiers: Tiers, engine: Engine
 
 # -- a second manager on the same memory tier ----------------------------------------------------
 def test_second_manager_on_the_same_memory_tier_leaves_the_first_ones_slots(
-        tiers: Tiers, engine: Engine) -> None:  # noqa: F811
+        tiers: Tiers, engine: Engine) -> None:
     """A second manager of the same process on the same memory directory (one that only reads
     the latest step, say) must not delete the first one's slot files: the first one's saves
     go on committing."""
@@ -90,7 +98,7 @@ def test_second_manager_on_the_same_memory_tier_leaves_the_first_ones_slots(
 
 # -- a save after close --------------------------------------------------------------------------
 def test_save_after_close_is_refused_before_anything_is_written(
-        tiers: Tiers, engine: Engine) -> None:  # noqa: F811
+        tiers: Tiers, engine: Engine) -> None:
     manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=1, engine=engine)
     manager.save(1, make_state(1)).result(timeout=30)
     manager.close()
@@ -103,7 +111,7 @@ def test_save_after_close_is_refused_before_anything_is_written(
 
 # -- memory_limit with a state that grows --------------------------------------------------------
 def test_memory_limit_holds_when_the_state_grows_into_a_reused_slot(
-        tiers: Tiers, engine: Engine) -> None:  # noqa: F811
+        tiers: Tiers, engine: Engine) -> None:
     """The bytes of the slot a save reuses are on the tier until the save resizes it: a state
     that doubles must not take the tier past ``memory_limit`` (it fails with TierFullError)."""
     size = 4 * MiB
@@ -149,7 +157,7 @@ def _layouts() -> list[dict]:
 
 
 @pytest.mark.parametrize("keep", [1, 3])
-def test_slot_reuse_with_layouts_that_change(tiers: Tiers, engine: Engine,  # noqa: F811
+def test_slot_reuse_with_layouts_that_change(tiers: Tiers, engine: Engine,
                                              keep: int) -> None:
     """Tensors that grow or shrink, bytes items that grow or shrink, tensors added, dropped or
     reordered, and headers larger than the slot's room: every step loads exactly, from the
@@ -200,7 +208,7 @@ class FailFsync:
         self.inner.close()
 
 
-def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:  # noqa: F811
+def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:
     """A save whose data file fails (after its slot was renamed into the step directory) fails
     alone: the steps committed before stay loadable, the next saves go into slots again, and
     the slot files stay bounded by keep_memory + 3."""
@@ -240,7 +248,7 @@ def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None: 
 
 
 # -- rollback ------------------------------------------------------------------------------------
-def test_rollback_keeps_the_newer_steps_and_says_so(tiers: Tiers, engine: Engine,  # noqa: F811
+def test_rollback_keeps_the_newer_steps_and_says_so(tiers: Tiers, engine: Engine,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """After load(step=older) and saves of steps before the newest, the newer steps stay
     (documented): latest_step() returns the newest, a re-saved step holds the new state, and
@@ -263,7 +271,7 @@ def test_rollback_keeps_the_newer_steps_and_says_so(tiers: Tiers, engine: Engine
 
 
 # -- the persist that close() (or a new manager) makes ------------------------------------------
-def test_a_failed_final_persist_is_raised_by_close(tiers: Tiers) -> None:  # noqa: F811
+def test_a_failed_final_persist_is_raised_by_close(tiers: Tiers) -> None:
     """close() persists the newest step when the durable tier lacks it: when that persist
     fails, close() raises its error (it is the run's last checkpoint: a log line alone would
     let the job end as if it were durable); so does wait() for the persist of what an earlier

@@ -221,6 +221,7 @@ class CheckpointManager:
     def _start_save(self, step: int, state: dict, start: float,
                     slot: Slot | None) -> SaveHandle:
         directory = step_dir(self.memory, step)
+        writer = None
         try:
             nbytes = _state_bytes(state)
             reuse = slot.nbytes if slot is not None else 0  # on the tier already
@@ -239,6 +240,8 @@ class CheckpointManager:
             staged = writer.stage(state)
             committed = self._uploader.submit(self._upload, writer, staged, directory)
         except Exception as exc:  # noqa: BLE001 - the handle carries it; training goes on
+            if writer is not None:
+                writer.close()  # a snapshot staged for a save that will not run: given back
             log.error("dcp_datastates: checkpoint of step %d not taken: %s", step, exc)
             failed: Future = Future()
             failed.set_exception(exc)
