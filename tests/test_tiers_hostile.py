@@ -248,26 +248,44 @@ def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:
 
 
 # -- rollback ------------------------------------------------------------------------------------
-def test_rollback_keeps_the_newer_steps_and_says_so(tiers: Tiers, engine: Engine,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """After load(step=older) and saves of steps before the newest, the newer steps stay
-    (documented): latest_step() returns the newest, a re-saved step holds the new state, and
-    the save of a step older than one in the tier logs a warning."""
+def test_going_back_sets_the_newer_steps_aside(tiers: Tiers, engine: Engine,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """load(step=older), then training on: the first save moves the newer durable steps to
+    durable/.abandoned/<time>/ (still loadable there) and drops them from memory, so
+    latest_step() follows the new run, and a step number reached again is persisted anew (not
+    taken for the old, committed copy)."""
     caplog.set_level(logging.WARNING, logger="dcp_datastates")
-    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=5, persist=None,
-                           engine=engine) as manager:
-        for step in (1, 2, 3):
-            manager.save(step, make_state(step)).result(timeout=30)
-        out = blank_like(make_state(1))
-        assert manager.load(out, step=1) == 1
-        again = make_state(20)
-        manager.save(2, again).result(timeout=30)
-        manager.wait()
-        assert any("holds newer steps [3]" in r.getMessage() for r in caplog.records)
-        assert manager.latest_step() == 3
-        out = blank_like(again)
+    old = {s: make_state(s) for s in (1, 2, 3, 4)}
+    new = {s: make_state(100 + s) for s in (3, 4)}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=5,
+                           keep_durable=None, persist=1, engine=engine) as manager:
+        for step, state in old.items():
+            manager.save(step, state)
+            manager.wait()
+        assert steps_in(tiers.durable) == [1, 2, 3, 4]
+        out = blank_like(old[2])
         assert manager.load(out, step=2) == 2
-        assert_state_equal(out, again)
+        assert_state_equal(out, old[2])
+        assert manager.latest_step() == 4, "nothing moves before training goes on"
+        for step, state in new.items():
+            manager.save(step, state)
+            manager.wait()
+        assert manager.latest_step() == 4
+        assert steps_in(tiers.memory) == [1, 2, 3, 4]
+        for step, state in new.items():
+            out = blank_like(state)
+            assert manager.load(out, step=step) == step
+            assert_state_equal(out, state)
+    assert steps_in(tiers.durable) == [1, 2, 3, 4]
+    for step, state in new.items():  # the durable copies are the new run's
+        assert_state_equal(load_into(state, tiers.durable / f"step_{step}"), state)
+    (aside,) = (tiers.durable / ".abandoned").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["step_3", "step_4"]
+    for step in (3, 4):  # the old run's steps are kept, whole
+        assert_state_equal(load_into(old[step], aside / f"step_{step}"), old[step])
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("loading step 2 while steps [3, 4] are newer" in m for m in messages), messages
+    assert any(f"durable steps [3, 4] were moved to {aside}" in m for m in messages), messages
 
 
 # -- the persist that close() (or a new manager) makes ------------------------------------------

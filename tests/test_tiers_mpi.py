@@ -497,3 +497,39 @@ def test_idle_persist_failing_on_one_rank_stops_every_rank_chain(world: World, n
         engine.close()
         io.close()
     agree(errors, f"a persist failing on rank 1 of {world.size}")
+
+
+def test_going_back_sets_the_newer_steps_aside_on_every_rank(world: World, nodes: Path,
+                                                             shared: Path,
+                                                             engine: Engine) -> None:
+    """load(step=1) with steps 2 and 3 persisted, then saves of 2 and 3 again: every rank
+    drops its newer memory steps (and the replicas it holds), rank 0 moves the durable ones
+    aside, and the new run's steps 2 and 3 are what the durable tier holds afterwards."""
+    durable = shared / "durable"
+    errors: list[str] = []
+    with CheckpointManager(durable, memory_dir=nodes / f"node_{world.rank}", keep_memory=5,
+                           keep_durable=None, persist=1, replicate=True,
+                           engine=engine) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, rank_state(world.rank, step))
+            manager.wait()
+        out = blank_like(rank_state(world.rank, 1))
+        assert manager.load(out, step=1) == 1
+        for step in (2, 3):
+            manager.save(step, rank_state(world.rank, 10 + step))
+            manager.wait()
+        with collecting(errors, "latest step and memory after going back"):
+            assert manager.latest_step() == 3
+            out = blank_like(rank_state(world.rank, 13))
+            assert manager.load(out, step=3) == 3
+            assert_state_equal(out, rank_state(world.rank, 13))
+    agree(errors, "going back")
+    with collecting(errors, "durable tier after going back"):
+        assert committed_steps(durable) == [1, 2, 3]
+        (aside,) = (durable / ".abandoned").iterdir()
+        assert committed_steps(aside) == [2, 3]
+        got = {f"rank{world.rank}": blank_like(rank_state(world.rank, 13))[f"rank{world.rank}"]}
+        dcp.load(got, checkpoint_id=durable / "step_3", storage_reader=DataStatesReader())
+        assert_state_equal(got, {k: v for k, v in rank_state(world.rank, 13).items()
+                                 if k == f"rank{world.rank}"})
+    agree(errors, "durable tier after going back")

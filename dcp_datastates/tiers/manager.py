@@ -183,6 +183,7 @@ class CheckpointManager:
         self._unreported: list[BaseException] = []  # errors of saves that wait() has to raise
         self.history: list[SaveFigures] = []
         self._closed = False
+        self._rollback: int | None = None  # step a load went back to, newer steps existing
         # DCP warns at every call with no_dist=True, which every memory-tier save and load is
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
         self._persist_leftover("committed in memory by an earlier process")
@@ -198,11 +199,16 @@ class CheckpointManager:
         The snapshot runs while training goes on (``guard(optimizer, source=manager)`` makes
         the optimizer step wait for it). A tier without room fails this save with
         :class:`TierFullError` in its handle (logged; nothing is written) and training goes on.
+        The first save after ``load`` of an older step removes the newer steps from the memory
+        tiers and moves the durable ones to ``durable_dir/.abandoned/<time>/`` (logged).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if self._closed:
             raise RuntimeError(f"CheckpointManager of {self.memory} is closed: no more saves")
+        if self._rollback is not None:
+            self._set_aside(self._rollback)
+            self._rollback = None
         start = time.perf_counter()
         newer = [s for s in committed_steps(self.memory) if s > step]
         if newer:  # a rollback (load(step=older), then training on): the newer steps stay
@@ -404,15 +410,41 @@ class CheckpointManager:
         drop = [s for s in steps(root) if s not in busy and (
             s in done[:-keep] or (s < newest and s not in done))]
         for s in drop:
-            directory = step_dir(root, s)
-            if root == self.memory:
-                with self._lock:  # a step marked as being read meanwhile stays committed
-                    if s in self._busy:
-                        continue
-                    uncommit(directory)
-                if self._slots is not None:  # uncommitted: its data file may be a free slot
-                    self._slots.reclaim(directory)
-            remove_step(directory)
+            self._drop(root, s)
+
+    def _drop(self, root: Path, step: int) -> None:
+        """Remove ``step`` from the tier ``root``; from this rank's memory tier only if it is
+        not being read, and its data file goes back to being a free slot."""
+        directory = step_dir(root, step)
+        if root == self.memory:
+            with self._lock:  # a step marked as being read meanwhile stays committed
+                if step in self._busy:
+                    return
+                uncommit(directory)
+            if self._slots is not None:  # uncommitted: its data file may be a free slot
+                self._slots.reclaim(directory)
+        remove_step(directory)
+
+    def _set_aside(self, after: int) -> None:
+        """Training went on from ``after`` (``load`` of an older step): the steps newer than it
+        belong to the run that was left. They leave the memory tiers, and the durable ones move
+        to ``durable_dir/.abandoned/<time>/`` (kept, no longer taken for checkpoints of this
+        run), so a later step of the same number is saved and persisted anew. Collective."""
+        roots = [self.memory, *(replica.replica_root(self.memory, r) for r in range(self.world))]
+        for root in roots:
+            for s in steps(root):
+                if s > after:
+                    self._drop(root, s)
+        newer = [s for s in steps(self.durable) if s > after] if self.durable else []
+        if newer and self.rank == 0:
+            aside = self.durable / ".abandoned" / time.strftime("%Y%m%dT%H%M%S")
+            aside.mkdir(parents=True, exist_ok=True)
+            for s in newer:
+                os.rename(step_dir(self.durable, s), aside / step_dir(self.durable, s).name)
+            log.warning("dcp_datastates: training went on from step %d: the newer durable "
+                        "steps %s were moved to %s", after, newer, aside)
+        if self._group is not None:
+            dist.barrier(group=self._group)  # no rank persists into a step being moved
 
     def prepare(self, state: dict) -> None:
         """Map and pin the memory tier's slots for states like ``state`` now (about 0.5 s per
@@ -492,7 +524,10 @@ class CheckpointManager:
     def load(self, state: dict, step: int | None = None) -> int:
         """Load ``step`` (default: the latest) into ``state`` from the fastest tier holding it:
         this rank's memory tier (after a peer sends back a lost copy, with ``replicate``), else
-        the durable tier. Returns the step; logs which tier."""
+        the durable tier. Returns the step; logs which tier.
+
+        Loading a step older than the newest means going back: the next ``save`` sets the
+        newer steps aside (see :meth:`save`)."""
         self._drain()
         views = self._gather(self._view())
         chosen = _pick(views, step)
@@ -501,6 +536,13 @@ class CheckpointManager:
             raise FileNotFoundError(
                 f"no tier holds {where} complete on every rank (memory {self.memory}, durable "
                 f"{self.durable})")
+        newer = sorted({s for v in views for s in (*v["memory"], *v["durable"],
+                                                   *(x for r in v["replicas"].values() for x in r))
+                        if s > chosen})
+        self._rollback = chosen if newer else None
+        if newer:
+            log.warning("dcp_datastates: loading step %d while steps %s are newer: the next save "
+                        "sets them aside (training goes on from step %d)", chosen, newer, chosen)
         moves = [(holder, owner) for owner, v in enumerate(views) if chosen not in v["memory"]
                  for holder in [_holder(views, owner, chosen)] if holder is not None]
         if moves:
