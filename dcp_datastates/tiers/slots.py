@@ -9,7 +9,7 @@ no second copy. When retention drops the step, its ``.metadata`` goes first and 
 back to the slot directory, free for a later save. A slot whose file is gone (a failed save
 removed it) is unmapped and forgotten.
 
-Slot files live in ``<memory_dir>/.slots.<pid>.<n>`` (one directory per pool, so two managers
+Slot files live in ``<memory_dir>/.slots.<pid>.<token>`` (one directory per pool, so two managers
 of a process on one tier keep theirs apart); a new pool deletes those of processes that are
 gone (a slot holds no checkpoint until it is renamed into a step directory).
 """
@@ -23,13 +23,13 @@ import shutil
 import threading
 from pathlib import Path
 
+from ..directory import new_token
 from ..host_cache import Arena, Lease, round_up
 from ..io.base import ALIGN
 
 log = logging.getLogger("dcp_datastates")
 
 SLOT_DIR_PREFIX = ".slots."
-_pools = itertools.count()  # pools made by this process: each gets its own directory
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (names are rarely longer).
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 512
 
@@ -107,7 +107,7 @@ class SlotPool:
 
     def __init__(self, engine: object, memory: Path, limit: int) -> None:
         self.engine = engine
-        self.directory = memory / f"{SLOT_DIR_PREFIX}{os.getpid()}.{next(_pools)}"
+        self.directory = memory / f"{SLOT_DIR_PREFIX}{os.getpid()}.{new_token()}"
         self.limit = limit
         self._free: list[Slot] = []
         self._held: dict[Path, Slot] = {}  # step directory -> its slot
@@ -116,7 +116,6 @@ class SlotPool:
         self._lock = threading.Lock()
         self._warned = False
         _remove_dead_pools(memory)
-        shutil.rmtree(self.directory, ignore_errors=True)
         self.directory.mkdir(parents=True)
 
     def take(self) -> Slot | None:
