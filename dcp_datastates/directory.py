@@ -5,6 +5,7 @@ rank writes there, and holds it until ``.metadata`` is committed (or the save fa
 from another process (or another engine) fails at once with an error naming the directory.
 Data file names carry a token unique to the save, and only the claim holder deletes data files
 (those its new ``.metadata`` does not name), so no save removes a file another's metadata names.
+Checkpoint files are read through :func:`open_regular` (a regular file, never through a link).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 
@@ -123,3 +125,31 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_regular(path: Path) -> int:
+    """Open a checkpoint file read-only: a regular file only, never through a symbolic link,
+    and without waiting (a FIFO under the name fails here instead of hanging the open).
+
+    Raises ``OSError`` (``FileNotFoundError`` when missing) whose ``strerror`` completes
+    "<file> ...": "is missing", "is a symbolic link ...", "is not a regular file", ...
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        why = {errno.ENOENT: "is missing",
+               errno.ELOOP: "is a symbolic link (checkpoint files are never opened through one)",
+               }.get(exc.errno, f"cannot be opened ({exc.strerror})")
+        raise OSError(exc.errno, why, str(path)) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device")  # a socket cannot be opened at all
+            raise OSError(errno.EINVAL, f"is not a regular file ({kind})", str(path))
+        os.set_blocking(fd, True)  # io_uring would answer EAGAIN on an O_NONBLOCK file
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -4,25 +4,27 @@ One engine per process by default (:func:`default_engine`), or one made and pass
 ``engine=``. It owns the host cache (a snapshot arena sized from the states it sees, and a
 bounce arena for flush and restore buffers), their pinning and io_uring registration, the CUDA
 side streams, the I/O backend, and the executors. Writers and readers are thin adapters that
-hand each save or load to a job on the engine (``jobs/``); a job owns what it holds and gives
-it back explicitly. ``close()`` frees everything; the default engine is closed at exit.
+hand each save or load to a job (``jobs/``); a job owns what it holds and gives it back
+explicitly. The engine knows jobs only as :class:`Work` that ``close()`` waits for: the save
+order that ``jobs/ordering.py`` attaches to it, and each load in progress. ``close()`` frees
+everything; the default engine is closed at exit.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar
 
 from . import cuda_copy
-from .host_cache import Arena, Lease, round_up
+from .align import round_up
+from .host_cache import Arena, Lease
 from .io import IOBackend, make_backend
-from .jobs.save import UNTAKEN_GRACE_S, SaveJob
 from .sizes import format_size, parse_size
 
 log = logging.getLogger("dcp_datastates")
@@ -32,11 +34,8 @@ MAX_BOUNCE_BYTES = 256 << 20
 AUTO_BOUNCE_BYTES = 128 << 20
 #: ``auto`` never grows the snapshot arena beyond this fraction of MemAvailable.
 AUTO_MEMORY_FRACTION = 0.5
-#: How often waits for memory or for a turn look for saves that were abandoned.
+#: How often a wait for cache memory asks the save order whether to give up.
 POLL_S = 0.05
-#: How often the engine looks for saves that DCP left, when nothing else does.
-WATCH_S = 0.25
-
 
 
 def available_memory() -> int:
@@ -49,6 +48,92 @@ def available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Work(Protocol):
+    """Work in progress that the engine's ``close()`` waits for, then ends."""
+
+    def wait(self, deadline: float) -> None:
+        """Block until the work is over (or may be ended), or ``deadline`` (monotonic) passes."""
+
+    def end(self) -> None:
+        """The engine is closing: end now, giving back everything held."""
+
+
+class Saves(Work, Protocol):
+    """The save order that ``jobs/ordering.py`` attaches to an engine: what the engine asks."""
+
+    def new_job(self) -> object:
+        """A save job holding the next ticket."""
+
+    def reap(self) -> None:
+        """End the saves DCP abandoned."""
+
+    def wait_for_snapshots(self) -> None:
+        """Block until every snapshot staged so far has been copied."""
+
+    def memory_given_up(self) -> bool:
+        """Whether a wait for cache memory should stop: only untaken snapshots hold it."""
+
+
+S = TypeVar("S", bound=Saves)
+
+
+def _snapshot_size(fixed: int | None, nbytes: int, current: Arena | None
+                   ) -> tuple[int | None, str]:
+    """The size of a new snapshot arena for a state of ``nbytes``, and why (None: keep
+    ``current``)."""
+    if fixed is not None:
+        if current is not None:
+            return None, ""
+        bounce = min(MAX_BOUNCE_BYTES, round_up(fixed // 4))
+        return max(4096, round_up(fixed) - bounce), f"host_cache_size={format_size(fixed)}"
+    want = round_up(nbytes)
+    if current is not None and current.nbytes >= want:
+        return None, ""
+    cap = round_up(int(AUTO_MEMORY_FRACTION * (
+        available_memory() + (current.nbytes if current else 0))))
+    size = min(want, cap)
+    if current is not None and current.nbytes >= size:
+        return None, ""
+    capped = f"; capped at half of available memory, {format_size(cap)}" if size < want else ""
+    return size, f"auto: a state of {format_size(nbytes)} was staged{capped}"
+
+
+class _Pinning:
+    """How the engine's arenas are made (mapped, pinned, registered) and freed (in reverse)."""
+
+    def __init__(self, io: IOBackend, cuda: cuda_copy.CudaCopier | None) -> None:
+        self.io = io
+        self.cuda = cuda
+
+    def make(self, nbytes: int, name: str) -> Arena:
+        arena = self.pinned(Arena(nbytes, name))
+        self.io.register(arena.addr, arena.nbytes)
+        return arena
+
+    def pinned(self, arena: Arena) -> Arena:
+        """``arena``, pinned for GPU copies where there are GPUs (freed if pinning fails)."""
+        try:
+            if self.cuda is not None:
+                self.cuda.pin(arena.addr, arena.nbytes)
+        except BaseException:
+            arena.free()
+            raise
+        return arena
+
+    def unpin_and_free(self, arena: Arena) -> None:
+        if self.cuda is not None:
+            self.cuda.unpin(arena.addr)
+        arena.free()
+
+    def free(self, arena: Arena) -> None:
+        """Unregister, unpin, unmap: in that order, so no registration outlives the memory."""
+        if arena.pool.live:
+            raise RuntimeError(
+                f"cannot free the {arena.pool.name} cache: {arena.pool.live} lease(s) still live")
+        self.io.unregister(arena.addr, arena.nbytes)
+        self.unpin_and_free(arena)
 
 
 class Engine:
@@ -97,19 +182,16 @@ class Engine:
         # checksums: never queued behind long writes (a persist's) on the I/O threads
         self.hash_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-hash")
         self.io_workers = io_workers
-        self._lock = threading.Condition()
+        self._pins = _Pinning(self.io, self.cuda)
+        self._lock = threading.Lock()
         self._grow_lock = threading.Lock()
         self._snapshot: Arena | None = None
         self._bounce: Arena | None = None
         self._retiring: list[Arena] = []
         self._file_arenas: list[Arena] = []  # memory-tier slots mapped through map_file
-        self._tickets = itertools.count(1)
-        self._jobs: dict[int, SaveJob] = {}
+        self.saves: Saves | None = None  # attached by jobs/ordering.py at the first save
+        self._work: list[Work] = []  # loads in progress
         self.closed = False
-        # ends saves that DCP left without telling the writer (their lock, memory, turn)
-        self._watcher = threading.Thread(target=self._watch, name="dcp_datastates-watch",
-                                         daemon=True)
-        self._watcher.start()
 
     # -- context manager ------------------------------------------------------------------------
     def __enter__(self) -> Engine:
@@ -125,9 +207,9 @@ class Engine:
 
         With ``wait``, blocks while the cache is full (backpressure) until earlier saves have
         flushed; a request larger than the cache is admitted once nothing else holds it. It
-        does not wait for snapshots that were handed out but that no save has taken for
-        ``UNTAKEN_GRACE_S`` (only ``writer.close()`` or ``Engine.close()`` can free those):
-        it returns None, and the caller stages in pageable memory. Without ``wait`` (a save
+        returns None when the save order gives the wait up (only snapshots that no save has
+        taken hold the cache: ``jobs/ordering.py``), and the caller stages in pageable memory.
+        Without ``wait`` (a save
         whose turn it is: what holds memory waits behind it), returns None at once when the
         memory is taken.
         """
@@ -138,34 +220,21 @@ class Engine:
         while (lease := arena.pool.try_allocate(need)) is None:
             if not wait:
                 return None
-            self._check_open()
-            self.reap_abandoned()
-            if self._held_only_by_untaken():
+            self.check_open()
+            if self.saves is not None and self.saves.memory_given_up():
                 return None
             arena.pool.wait_for_release(POLL_S)
         return lease
-
-    def _held_only_by_untaken(self) -> bool:
-        with self._lock:
-            holders = [j for j in self._jobs.values() if j.holds_memory()]
-        untaken = [j.id for j in holders if j.untaken_for() >= UNTAKEN_GRACE_S]
-        if holders and len(untaken) == len(holders):
-            log.warning(
-                "dcp_datastates: the host cache is held by snapshot(s) %s that no save has "
-                "taken; staging in pageable memory instead. Call close() on the writer that "
-                "staged them to free the cache", untaken)
-            return True
-        return False
 
     @property
     def bounce(self) -> Arena:
         """The arena of short-lived flush and restore buffers (made at first use)."""
         with self._grow_lock:
             if self._bounce is None:
-                self._check_open()
+                self.check_open()
                 size = AUTO_BOUNCE_BYTES if self.fixed_size is None else min(
                     MAX_BOUNCE_BYTES, round_up(self.fixed_size // 4))
-                self._bounce = self._make_arena(size, "bounce")
+                self._bounce = self._pins.make(size, "bounce")
             return self._bounce
 
     def cache_bytes(self) -> int:
@@ -182,35 +251,16 @@ class Engine:
 
     def _snapshot_arena(self, nbytes: int) -> Arena:
         with self._grow_lock:
-            self._check_open()
+            self.check_open()
             current = self._snapshot
-            if self.fixed_size is not None:
-                if current is None:
-                    bounce = min(MAX_BOUNCE_BYTES, round_up(self.fixed_size // 4))
-                    size = max(4096, round_up(self.fixed_size) - bounce)
-                    current = self._snapshot = self._make_arena(size, "snapshot")
-                    log.info("dcp_datastates: host cache %s for snapshots (host_cache_size=%s)",
-                             format_size(size), format_size(self.fixed_size))
+            size, why = _snapshot_size(self.fixed_size, nbytes, current)
+            if size is None:
                 return current
-            want = round_up(nbytes)
-            if current is not None and current.nbytes >= want:
-                return current
-            cap = round_up(int(AUTO_MEMORY_FRACTION * (
-                available_memory() + (current.nbytes if current else 0))))
-            size = min(want, cap)
-            if current is not None and current.nbytes >= size:
-                return current
-            arena = self._make_arena(size, "snapshot")
+            arena = self._snapshot = self._pins.make(size, "snapshot")
             if current is not None:
                 self._retiring.append(current)
-            self._snapshot = arena
-            log.info(
-                "dcp_datastates: host cache %s for snapshots (auto: a state of %s was staged%s)",
-                format_size(size), format_size(nbytes),
-                f"; capped at half of available memory, {format_size(cap)}" if size < want
-                else "",
-            )
-        self._free_retired()
+            log.info("dcp_datastates: host cache %s for snapshots (%s)", format_size(size), why)
+        self.free_retired()
         return arena
 
     def map_file(self, fd: int, nbytes: int, name: str) -> Arena:
@@ -218,15 +268,15 @@ class Engine:
         an arena of the caller's (a memory-tier slot), freed by :meth:`unmap_file` or at
         :meth:`close`. Pinning costs about 0.5 s per GiB."""
         with self._grow_lock:
-            self._check_open()
-        arena = self._pinned(Arena(nbytes, name, fd=fd))
+            self.check_open()
+        arena = self._pins.pinned(Arena(nbytes, name, fd=fd))
         with self._grow_lock:
             closed = self.closed
             if not closed:
                 self._file_arenas.append(arena)
         if closed:  # closed meanwhile: nothing may outlive the engine
-            self._unpin_and_free(arena)
-            self._check_open()
+            self._pins.unpin_and_free(arena)
+            self.check_open()
         return arena
 
     def unmap_file(self, arena: Arena) -> None:
@@ -238,143 +288,88 @@ class Engine:
             if arena.pool.live:
                 raise RuntimeError(f"cannot unmap {arena.pool.name}: a save still holds it")
             self._file_arenas.remove(arena)
-        self._unpin_and_free(arena)
+        self._pins.unpin_and_free(arena)
 
-    def _unpin_and_free(self, arena: Arena) -> None:
-        if self.cuda is not None:
-            self.cuda.unpin(arena.addr)
-        arena.free()
-
-    def _make_arena(self, nbytes: int, name: str) -> Arena:
-        arena = self._pinned(Arena(nbytes, name))
-        self.io.register(arena.addr, arena.nbytes)
-        return arena
-
-    def _pinned(self, arena: Arena) -> Arena:
-        """``arena``, pinned for GPU copies where there are GPUs (freed if pinning fails)."""
-        try:
-            if self.cuda is not None:
-                self.cuda.pin(arena.addr, arena.nbytes)
-        except BaseException:
-            arena.free()
-            raise
-        return arena
-
-    def _free_arena(self, arena: Arena) -> None:
-        """Unregister, unpin, unmap: in that order, so no registration outlives the memory."""
-        if arena.pool.live:
-            raise RuntimeError(
-                f"cannot free the {arena.pool.name} cache: {arena.pool.live} lease(s) still live")
-        self.io.unregister(arena.addr, arena.nbytes)
-        self._unpin_and_free(arena)
-
-    def _free_retired(self) -> None:
+    def free_retired(self) -> None:
         with self._grow_lock:
             idle = [a for a in self._retiring if not a.pool.live]
             self._retiring = [a for a in self._retiring if a.pool.live]
         for arena in idle:
-            self._free_arena(arena)
+            self._pins.free(arena)
 
-    # -- save jobs and their turns --------------------------------------------------------------
-    def new_save_job(self) -> SaveJob:
-        """A save job holding the next ticket: its storage steps run after every earlier one's."""
-        self.reap_abandoned()
+    # -- work the engine waits for at close ------------------------------------------------------
+    def attach_saves(self, make: Callable[[Engine], S]) -> S:
+        """The engine's save order, ``make(self)`` at the first call (``jobs/ordering.py``)."""
         with self._lock:
-            self._check_open()
-            job = SaveJob(self, next(self._tickets))
-            self._jobs[job.id] = job
-            return job
+            self.check_open()
+            if self.saves is None:
+                self.saves = make(self)
+            return self.saves
 
-    def job_done(self, job: SaveJob) -> None:
-        """Called by a job once it holds nothing: later saves may take their turn."""
+    def track(self, work: Work) -> None:
+        """``close()`` waits for ``work`` (a load) until :meth:`untrack`."""
         with self._lock:
-            self._jobs.pop(job.id, None)
-            self._lock.notify_all()
-        self._free_retired()
+            self.check_open()
+            self._work.append(work)
 
-    def wait_turn(self, job: SaveJob) -> None:
-        """Block until every save with an earlier ticket is over (abandoned ones are reaped).
+    def untrack(self, work: Work) -> None:
+        with self._lock:
+            if work in self._work:
+                self._work.remove(work)
 
-        A snapshot that is staged but that no DCP save has taken does not hold later saves up.
-        """
-        while True:
-            with self._lock:
-                earlier = [j for t, j in self._jobs.items() if t < job.id and j.blocks_turns()]
-                if not earlier:
-                    return
-                self._lock.wait(POLL_S)
-            self.reap_abandoned()
+    def new_save_job(self) -> object:
+        """A save job of the engine's save order (attached by the first writer's save)."""
+        self.check_open()
+        return self._attached().new_job()
+
+    def reap_abandoned(self) -> None:
+        """End the saves DCP abandoned (the save order's rules)."""
+        if self.saves is not None:
+            self.saves.reap()
 
     def wait_for_snapshots(self) -> None:
         """Block until every snapshot staged so far has been copied (failed ones included)."""
-        with self._lock:
-            jobs = list(self._jobs.values())
-        for job in jobs:
-            job.copied.wait()
+        if self.saves is not None:
+            self.saves.wait_for_snapshots()
 
-    def _watch(self) -> None:
-        with self._lock:
-            while not self.closed:
-                self._lock.wait(WATCH_S)
-                if self._jobs and not self.closed:
-                    self._lock.release()
-                    try:
-                        self.reap_abandoned()
-                    finally:
-                        self._lock.acquire()
-
-    def end_saves_left_by(self, thread: threading.Thread, current: SaveJob) -> None:
-        """``thread`` starts ``current``: a save it ran before is over, finished or not."""
-        with self._lock:
-            jobs = [j for j in self._jobs.values()
-                    if j.caller is not None and j.caller.thread is thread and j is not current]
-        for job in jobs:
-            job.end_abandoned()
-
-    def reap_abandoned(self) -> None:
-        """End saves whose thread left DCP without finishing them (an error elsewhere)."""
-        with self._lock:
-            jobs = [j for j in self._jobs.values() if j.abandoned()]
-        for job in jobs:
-            job.end_abandoned()
+    def _attached(self) -> Saves:
+        if self.saves is None:
+            raise RuntimeError("no save order is attached to this engine: saves are made by "
+                               "DataStatesWriter")
+        return self.saves
 
     # -- executors ------------------------------------------------------------------------------
     def submit(self, fn: Callable, *args: object):
         """Run ``fn(*args)`` on the I/O threads."""
-        self._check_open()
+        self.check_open()
         return self.io_pool.submit(fn, *args)
 
     def compute(self, fn: Callable, *args: object):
         """Run ``fn(*args)`` on the checksum threads."""
-        self._check_open()
+        self.check_open()
         return self.hash_pool.submit(fn, *args)
 
     # -- lifetime -------------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this dcp_datastates Engine is closed")
 
     def close(self, timeout: float = 60.0) -> None:
-        """Wait (up to ``timeout`` s) for saves in progress, then free the caches, streams,
-        threads and backend. A save still holding memory then is ended with an error."""
+        """Wait (up to ``timeout`` s) for saves and loads in progress, then free the caches,
+        streams, threads and backend. A save or load still running then is ended with an
+        error."""
         deadline = time.monotonic() + timeout
-        while True:
-            self.reap_abandoned()
-            with self._lock:
-                if self.closed:
-                    return
-                pending = [j for j in self._jobs.values() if not j.ended]
-                untaken = [j for j in pending if not j.blocks_turns()]  # no save will come
-                if len(untaken) == len(pending) or time.monotonic() >= deadline:
-                    self.closed = True
-                    self._jobs.clear()
-                    break
-                self._lock.wait(POLL_S)
-        for job in pending:
-            job.end(RuntimeError(f"the engine was closed before save {job.id} finished"))
         with self._lock:
-            self._lock.notify_all()
-        self._watcher.join()
+            work = [] if self.closed else [*self._work, *([self.saves] if self.saves else [])]
+        for w in work:
+            w.wait(deadline)
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            work, self._work = [*self._work, *([self.saves] if self.saves else [])], []
+        for w in work:
+            w.end()
         self.stage_pool.shutdown(wait=True)
         self.io_pool.shutdown(wait=True)
         self.hash_pool.shutdown(wait=True)
@@ -384,9 +379,9 @@ class Engine:
             self._snapshot = self._bounce = None
             self._retiring = []
         for arena in arenas:
-            self._free_arena(arena)
+            self._pins.free(arena)
         for arena in files:
-            self._unpin_and_free(arena)
+            self._pins.unpin_and_free(arena)
         if self.cuda is not None:
             self.cuda.close()
         if self._owns_io:

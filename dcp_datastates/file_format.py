@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from .align import ALIGN
 from .errors import CheckpointCorruptError
-from .io.base import ALIGN
 
 FORMAT_NAME = "dcp_datastates"
 FORMAT_VERSION = "1"
@@ -97,22 +97,36 @@ class FileLayout:
 
 
 def plan_layout(items: list[ItemSpec], header_len: int | None = None) -> FileLayout:
-    """Place ``items`` and build the header that describes them.
+    """Place ``items`` (:func:`place`) and build the header that describes them."""
+    return file_layout(place(items), header_len)
+
+
+def file_layout(placements: list[Placement], header_len: int | None = None) -> FileLayout:
+    """The layout of ``placements`` (made by :func:`place_tensors` and :func:`place_bytes`)
+    with the header that describes them.
 
     ``header_len`` pads the header to that many bytes (a multiple of 4 KiB, at least the
     header's own length), so a layout with the same tensors keeps the same data start.
     """
-    names = [item.name for item in items]
+    names = [p.spec.name for p in placements if p.spec is not None]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"two items would share the file entry name(s) {dup}")
-    placements = place(items)
     return FileLayout(_header_bytes(placements, header_len), placements)
 
 
 def place(items: list[ItemSpec]) -> list[Placement]:
-    """Where each item (and each padding entry) sits, relative to the data start."""
-    tensors = [i for i in items if i.dtype is not None]
+    """Where each item (and each padding entry) sits, relative to the data start: the tensors
+    (:func:`place_tensors`), then the bytes items (:func:`place_bytes`)."""
+    placements = place_tensors([i for i in items if i.dtype is not None])
+    end = placements[-1].end if placements else 0
+    return placements + place_bytes([i for i in items if i.dtype is None], end)
+
+
+def place_tensors(tensors: list[ItemSpec]) -> list[Placement]:
+    """Where each tensor (and each padding entry) sits, relative to the data start: the one
+    function that decides it, for the snapshot and the data file alike. Large tensors first,
+    in the order given, each 4 KiB aligned; then small ones packed by element size."""
     large = [i for i in tensors if i.nbytes >= LARGE_ITEM_BYTES]
     small = sorted(  # by element size, largest first: each stays naturally aligned
         (i for i in tensors if i.nbytes < LARGE_ITEM_BYTES), key=lambda i: -i.dtype.itemsize
@@ -129,8 +143,14 @@ def place(items: list[ItemSpec]) -> list[Placement]:
     for item in small:
         placements.append(Placement(item, cursor, item.nbytes))
         cursor += item.nbytes
-    raw = [i for i in items if i.dtype is None]
-    if raw and cursor % ALIGN:  # bytes items start on a block of their own: written later
+    return placements
+
+
+def place_bytes(raw: list[ItemSpec], cursor: int) -> list[Placement]:
+    """Bytes items after the tensors, which end at ``cursor``: they start on a block of their
+    own (they are written later, once serialized)."""
+    placements: list[Placement] = []
+    if raw and cursor % ALIGN:
         placements.append(Placement(None, cursor, -cursor % ALIGN))
         cursor += placements[-1].nbytes
     for item in raw:

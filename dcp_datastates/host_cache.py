@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .io.base import ALIGN
+from .align import ALIGN, round_up
 from .sizes import format_size
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -27,11 +27,6 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def round_up(nbytes: int, align: int = ALIGN) -> int:
-    """``nbytes`` rounded up to a multiple of ``align``."""
-    return -(-nbytes // align) * align
 
 
 @dataclass(eq=False)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import pickle
-import stat
 from pathlib import Path
 from typing import NoReturn
 
@@ -22,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .directory import fsync_dir
+from .directory import fsync_dir, open_regular
 from .errors import CheckpointCorruptError, CheckpointError
 
 METADATA_NAME = ".metadata"
@@ -125,34 +123,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(
                 f"WeightsUnpickler error: {module}.{name} is not allowed in checkpoint metadata")
         return allowed
-
-
-def open_regular(path: Path) -> int:
-    """Open a checkpoint file read-only: a regular file only, never through a symbolic link,
-    and without waiting (a FIFO under the name fails here instead of hanging the open).
-
-    Raises ``OSError`` (``FileNotFoundError`` when missing) whose ``strerror`` completes
-    "<file> ...": "is missing", "is a symbolic link ...", "is not a regular file", ...
-    """
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        why = {errno.ENOENT: "is missing",
-               errno.ELOOP: "is a symbolic link (checkpoint files are never opened through one)",
-               }.get(exc.errno, f"cannot be opened ({exc.strerror})")
-        raise OSError(exc.errno, why, str(path)) from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a device")  # a socket cannot be opened at all
-            raise OSError(errno.EINVAL, f"is not a regular file ({kind})", str(path))
-        os.set_blocking(fd, True)  # io_uring would answer EAGAIN on an O_NONBLOCK file
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:

@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .engine import Engine, default_engine
-from .jobs.load import LoadJob, check_locations
+from .entries import check_locations
+from .jobs.load import LoadJob
 from .metadata_file import METADATA_NAME, metadata_stamp, read_metadata
 from .stats import LoadStats
 

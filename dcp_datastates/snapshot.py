@@ -1,25 +1,30 @@
 """Snapshots: a state dict's tensors copied into one lease, laid out as the data file lays them.
 
-``walk`` runs on the caller's thread and only records the structure (tensors become slots);
-``copy_into`` runs on the engine's staging thread: every tensor gets the place the data file
-will give it (``file_format.place``), so a lease is an image of the file's tensor data and the
-flush writes it in a few large requests; small tensors share the lease instead of taking a
-4 KiB region each. GPU tensors are copied on a side stream after an event recorded by ``walk``'s
-caller; CPU tensors with ``memmove`` (small) or torch (large). What does not fit in the lease
-goes to pageable memory.
+``walk`` runs on the caller's thread and only records the structure (tensors become
+references); ``copy_into`` runs on the engine's staging thread: every tensor gets the place the
+data file will give it (:func:`~dcp_datastates.file_format.place_tensors`, kept in the
+:class:`Snapshot` and reused by the flush), so a lease is an image of the file's tensor data
+and the flush writes it in a few large requests; small tensors share the lease instead of
+taking a 4 KiB region each. A snapshot goes to a lease of the engine's host cache, or to a
+:class:`SnapshotTarget` (a memory-tier slot) whose memory becomes the data file in place.
+GPU tensors are copied on a side stream after an event recorded by ``walk``'s caller; CPU
+tensors with ``memmove`` (small) or torch (large). What does not fit in the lease goes to
+pageable memory.
 """
 
 from __future__ import annotations
 
 import copy
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .cuda_copy import Copy, CudaCopier
-from .file_format import ItemSpec, place
+from .file_format import ItemSpec, Placement, place_tensors
 from .host_cache import Lease
 
 #: CPU tensors smaller than this are copied with one ``memmove`` (less overhead than torch).
@@ -31,14 +36,42 @@ MEMMOVE_BYTES = 1 << 20
 SHARD_ATTRS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
 
 
+class SnapshotTarget(Protocol):
+    """Where a snapshot goes instead of the engine's host cache: memory that then becomes the
+    save's data file in place (a memory-tier slot). A lease it gives starts where the file's
+    data starts (``lease.offset``; the header goes before it). ``str()`` names it in logs."""
+
+    def lease(self, total: int, entries: int) -> Lease | None:
+        """Memory for a snapshot of ``total`` bytes of ``entries`` tensors (None: busy).
+        Raises ``OSError`` or ``RuntimeError`` where the memory cannot be had."""
+
+    def need_room(self, header_len: int) -> None:
+        """A header of ``header_len`` bytes did not fit before the data: the next lease
+        leaves room for it."""
+
+    def adopt(self, path: Path) -> Path:
+        """Move the memory's file to ``path`` (the save's data file); return ``path``."""
+
+
+@dataclass
+class Snapshot:
+    """A staged snapshot, as the flush needs it: where each source went, and in what lease."""
+
+    lease: Lease | None
+    placements: list[Placement]  # place_tensors of the sources (spec names: source indices)
+    in_target: bool = False  # the lease is a SnapshotTarget's: the data file in place
+    overflow: int = 0  # bytes staged in pageable memory instead
+    copies: dict[int, int] = field(default_factory=dict)  # data_ptr of a copy -> its source
+
+
 @dataclass(frozen=True)
-class _Slot:
+class _TensorRef:
     index: int
     attrs: tuple[tuple[str, object], ...] = ()  # set on the staged copy (SHARD_ATTRS)
 
 
 @dataclass(frozen=True)
-class _DTensorSlot:
+class _DTensorRef:
     index: int
     source: DTensor
 
@@ -49,7 +82,7 @@ def nbytes_of(t: torch.Tensor) -> int:
 
 def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
          dtensors: set[int]) -> object:
-    """The structure of ``obj`` with tensors replaced by slots numbering ``sources``; the
+    """The structure of ``obj`` with tensors replaced by references numbering ``sources``; the
     numbers of DTensor locals go to ``dtensors``.
 
     Only dicts and lists are entered, as DCP does; other values stay as they are and are
@@ -59,12 +92,12 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
         return memo[id(obj)]
     if isinstance(obj, DTensor):
         dtensors.add(len(sources))
-        out: object = _DTensorSlot(len(sources), obj)
+        out: object = _DTensorRef(len(sources), obj)
         local = obj.to_local().detach()
         sources.append(local.contiguous() if local.is_cuda else local)
     elif isinstance(obj, torch.Tensor):
         attrs = tuple((a, getattr(obj, a)) for a in SHARD_ATTRS if hasattr(obj, a))
-        out = _Slot(len(sources), attrs)
+        out = _TensorRef(len(sources), attrs)
         tensor = obj.detach()
         sources.append(tensor.contiguous() if tensor.is_cuda else tensor)
     elif isinstance(obj, dict):
@@ -81,11 +114,11 @@ def rebuild(obj: object, staged: list[torch.Tensor], memo: dict[int, object]) ->
     """The state dict of ``walk``'s skeleton over the ``staged`` copies."""
     if id(obj) in memo:
         return memo[id(obj)]
-    if isinstance(obj, _Slot):
+    if isinstance(obj, _TensorRef):
         out: object = staged[obj.index]
         for name, value in obj.attrs:
             setattr(out, name, copy.deepcopy(value))
-    elif isinstance(obj, _DTensorSlot):
+    elif isinstance(obj, _DTensorRef):
         src = obj.source
         out = DTensor.from_local(staged[obj.index], src.device_mesh, src.placements,
                                  run_check=False, shape=src.shape, stride=src.stride())
@@ -99,17 +132,24 @@ def rebuild(obj: object, staged: list[torch.Tensor], memo: dict[int, object]) ->
     return out
 
 
-def layout(sources: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Each source's byte offset in a lease, and the bytes the lease needs."""
-    specs = [ItemSpec(str(i), t.dtype, tuple(t.shape), nbytes_of(t))
-             for i, t in enumerate(sources)]
-    offsets = [0] * len(sources)
-    end = 0
-    for p in place(specs):
+def place_sources(sources: list[torch.Tensor]) -> list[Placement]:
+    """Where the data file puts each source (spec names are the sources' indices)."""
+    return place_tensors([ItemSpec(str(i), t.dtype, tuple(t.shape), nbytes_of(t))
+                          for i, t in enumerate(sources)])
+
+
+def offsets_of(placements: list[Placement], count: int) -> tuple[list[int], int]:
+    """Each of ``count`` sources' byte offset in ``placements``, and the bytes they span."""
+    offsets = [0] * count
+    for p in placements:
         if p.spec is not None:
             offsets[int(p.spec.name)] = p.begin
-        end = p.end
-    return offsets, end
+    return offsets, placements[-1].end if placements else 0
+
+
+def layout(sources: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Each source's byte offset in a lease, and the bytes the lease needs."""
+    return offsets_of(place_sources(sources), len(sources))
 
 
 def copy_into(

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -19,20 +18,20 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .directory import check_direct_io
 from .engine import Engine, default_engine
-from .jobs.save import SaveJob
+from .jobs.ordering import CALLS
+from .jobs.save import SaveJob, new_save_job
 from .jobs.staged import StagedSaves
+from .snapshot import SnapshotTarget
 from .stats import SaveStats
-
-if TYPE_CHECKING:
-    from .tiers.slots import Slot
 
 
 def _ends_job_on_error(method: Callable) -> Callable:
     """A storage step that fails ends its save: what the save holds is released at once."""
+    call = CALLS.index(method.__name__)
 
     @functools.wraps(method)
     def wrapper(self: DataStatesWriter, *args: object, **kwargs: object) -> object:
-        job = self._current()
+        job = self._current(call)
         try:
             return method(self, job, *args, **kwargs)
         except BaseException as exc:
@@ -59,20 +58,21 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         direct_io: O_DIRECT for data files: None uses it where the file system allows and it
             helps (not on tmpfs), True requires it (checked here, or when the path is known),
             False never uses it.
-        snapshot_into: a memory-tier slot (``CheckpointManager`` gives one) that the snapshot
-            of an async save is copied into and that becomes the data file in place.
+        snapshot_into: a snapshot target (``CheckpointManager`` gives a memory-tier slot) that
+            the snapshot of an async save is copied into and that becomes the data file in
+            place.
     """
 
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
                  overwrite: bool = False, direct_io: bool | None = None,
-                 snapshot_into: Slot | None = None) -> None:
+                 snapshot_into: SnapshotTarget | None = None) -> None:
         super().__init__()
         self.path = Path(os.path.expanduser(path)) if path is not None else None
         self.overwrite = overwrite
         self.direct_io = direct_io
-        self._slot = snapshot_into
+        self._target = snapshot_into
         self._engine = engine
         self._staged = StagedSaves()
         self._running: dict[int, SaveJob] = {}  # thread ident -> its save
@@ -90,7 +90,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if job is not None:
             job.hand_off()
         state = self.__dict__.copy()
-        state.update(_engine=None, _staged=None, _running={}, _last=None, _slot=None)
+        state.update(_engine=None, _staged=None, _running={}, _last=None, _target=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -99,8 +99,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # -- AsyncStager ----------------------------------------------------------------------------
     def stage(self, state_dict: dict) -> Future:
         """Start snapshotting ``state_dict``; the Future gives the staged copy."""
-        job = self._last = self.engine.new_save_job()
-        job.slot = self._slot
+        job = self._last = new_save_job(self.engine)
+        job.target = self._target
         self._staged.add(job)
         return job.stage(state_dict)
 
@@ -128,14 +128,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self.path = Path(os.path.expanduser(checkpoint_id))
         job = self._staged.take()
         if job is None:
-            job = self._last = self.engine.new_save_job()  # a plain save
+            job = self._last = new_save_job(self.engine)  # a plain save
         self._running[threading.get_ident()] = job
         try:
             job.claim()
             job.directory = self._checkpoint_dir()
             if self.direct_io:
                 check_direct_io(job.directory)
-            self.engine.wait_turn(job)
+            job.order.wait_turn(job)
         except BaseException as exc:
             job.end(exc)
             raise
@@ -183,13 +183,16 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # -- internals ------------------------------------------------------------------------------
-    def _current(self) -> SaveJob:
-        """This thread's save; DCP calls ``reset`` only when given a ``checkpoint_id``, so a
-        step of a new save may come first (the last one left by DCP is then over)."""
+    def _current(self, call: int) -> SaveJob:
+        """This thread's save, running DCP call ``call`` (an index in ``CALLS``). DCP calls
+        ``reset`` only when given a ``checkpoint_id``, so a call of a new save may come first:
+        the last one is then over (``jobs/ordering.py`` says when)."""
         job = self._running.get(threading.get_ident())
-        if job is None or job.ended or job.abandoned():
+        if job is None or job.ended or job.tie.abandoned() or not job.tie.follows(call):
             self.reset()
-        return self._running[threading.get_ident()]
+            job = self._running[threading.get_ident()]
+            job.tie.follows(call)
+        return job
 
     def _checkpoint_dir(self) -> Path:
         if self.path is None:

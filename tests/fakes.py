@@ -10,7 +10,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from dcp_datastates.io import ALIGN, IOBackend, IOReq
+from dcp_datastates.align import ALIGN
+from dcp_datastates.io import IOBackend, IOReq
 
 
 class FaultyBackend:
@@ -22,7 +23,7 @@ class FaultyBackend:
     - ``short_writes``: each request is written in two parts, by separate calls, second part
       first (split at a 4 KiB multiple on an O_DIRECT descriptor); a failing write first writes
       the first parts, leaving a torn file as a real failing disk may.
-    - ``delay_s``: every write sleeps first (a slow disk).
+    - ``delay_s``: every write sleeps first (a slow disk); ``read_delay_s`` every read.
     - ``gate``: writes wait until it is set; ``gated=True`` starts it cleared.
       ``write_started`` is set as soon as a write call arrives (before the gate).
 
@@ -39,6 +40,7 @@ class FaultyBackend:
         errno_: int = errno.EIO,
         short_writes: bool = False,
         delay_s: float = 0.0,
+        read_delay_s: float = 0.0,
         fail_fsync: bool = False,
         gated: bool = False,
     ) -> None:
@@ -47,6 +49,7 @@ class FaultyBackend:
         self.fail_write_after, self.fail_read_after = fail_write_after, fail_read_after
         self.errno_, self.short_writes = errno_, short_writes
         self.delay_s, self.fail_fsync = delay_s, fail_fsync
+        self.read_delay_s = read_delay_s
         self.gate = threading.Event()
         if not gated:
             self.gate.set()
@@ -99,6 +102,8 @@ class FaultyBackend:
         self.inner.write(fd, path, first)
 
     def read(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
+        if self.read_delay_s:
+            time.sleep(self.read_delay_s)
         with self._lock:
             self.reads += 1
             fail = self.fail_read_after is not None and self.reads > self.fail_read_after

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 from fakes import FaultyBackend
 
-from dcp_datastates.io import ALIGN, IOBackend, IOReq, ThreadPoolBackend, make_backend
+from dcp_datastates.align import ALIGN
+from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend, make_backend
 from dcp_datastates.io.uring import (
     ABI_VERSION,
     UringBackend,

@@ -15,10 +15,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import MARKS, assert_state_equal, clone_state, data_files, load_into, rand_tensor
+from fakes import FaultyBackend
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, Engine
 from dcp_datastates.directory import DirectoryClaim
+from dcp_datastates.io import ThreadPoolBackend
 
 pytestmark = MARKS
 TIMEOUT = 30
@@ -188,3 +190,52 @@ def test_load_racing_an_overwrite_says_superseded(tmp_path: Path, make_engine) -
                  planner=_OverwritingPlanner(overwrite),
                  storage_reader=DataStatesReader(engine=engine))
     assert_state_equal(load_into(clone_state(new), tmp_path), new)  # load again: the new one
+
+
+class GatedLoadPlanner(DefaultLoadPlanner):
+    """A load planner whose first ``resolve_tensor`` waits for ``gate`` (setting ``entered``):
+    the load is in the reader's ``read_data`` and has not started its reads yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def resolve_tensor(self, read_item: object) -> torch.Tensor:
+        self.entered.set()
+        assert self.gate.wait(TIMEOUT)
+        return super().resolve_tensor(read_item)
+
+
+def test_close_waits_for_a_load_in_progress(tmp_path: Path, make_engine) -> None:
+    """A load running when ``Engine.close()`` is called finishes; close waits for it."""
+    state = {"w": rand_tensor((1024, 300), torch.float32, seed=9), "b": rand_tensor((7,), torch.int64, seed=3),
+             "step": 9}
+    dcp.save(state, checkpoint_id=tmp_path / "ck", no_dist=True,
+             storage_writer=DataStatesWriter(engine=make_engine(io_backend="threads")))
+    engine = make_engine(io_backend=FaultyBackend(ThreadPoolBackend(), read_delay_s=0.2))
+    target, planner, errors = clone_state(state), GatedLoadPlanner(), []
+    for value in target.values():
+        if isinstance(value, torch.Tensor):
+            value.zero_()
+
+    def load() -> None:
+        try:
+            dcp.load(target, checkpoint_id=tmp_path / "ck", planner=planner, no_dist=True,
+                     storage_reader=DataStatesReader(engine=engine))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert planner.entered.wait(TIMEOUT)
+    closer = threading.Thread(target=engine.close, kwargs={"timeout": TIMEOUT})
+    closer.start()
+    time.sleep(0.3)
+    assert closer.is_alive(), "close() returned while a load was in progress"
+    planner.gate.set()
+    loader.join(TIMEOUT)
+    closer.join(TIMEOUT)
+    assert not loader.is_alive() and not closer.is_alive()
+    assert errors == []
+    assert_state_equal(target, state)
+    assert engine.closed and engine.cache_bytes() == 0 and engine.live_leases() == 0

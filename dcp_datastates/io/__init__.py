@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 
-from .base import ALIGN, IOBackend, IOReq
+from .base import IOBackend, IOReq
 from .threads import ThreadPoolBackend
 from .uring import UringBackend, UringUnavailable
 
 __all__ = [
-    "ALIGN",
     "BACKENDS",
     "ENV_VAR",
     "IOBackend",

@@ -6,9 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-#: Alignment that O_DIRECT and the host cache share (bytes).
-ALIGN = 4096
-
 
 @dataclass(frozen=True)
 class IOReq:

@@ -11,35 +11,43 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from ..align import ALIGN, round_up
 from ..checksums import memory_at, verify_span
-from ..directory import memory_backed
+from ..directory import memory_backed, open_regular
+from ..entries import stored_spec
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..file_format import ItemSpec, entry_mismatch, layout_mismatch, read_file_header
-from ..host_cache import Lease, round_up
-from ..io.base import ALIGN, IOBackend, IOReq
-from ..metadata_file import ItemLocation, metadata_stamp, open_regular
+from ..host_cache import Lease
+from ..io.base import IOBackend, IOReq
+from ..metadata_file import ItemLocation, metadata_stamp
 from ..stats import LoadStats
-from .save import entry_name
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 #: Items (whole stored chunks) smaller than this are read together with their neighbours.
 SMALL_ITEM_BYTES = 1 << 20
-#: Bytes one coalesced read may span, and the hole it may read across.
-SPAN_BYTES, SPAN_GAP = 16 << 20, 64 << 10
+#: Bytes one read of a group of small items may cover, and the hole it may read across.
+GROUP_BYTES, GROUP_GAP = 16 << 20, 64 << 10
+
+_Read = tuple[ReadItem, "torch.Tensor | None", "bytes | None"]
 
 
 @dataclass
 class _Small:
-    """A small item to read in a span: a bytes item (``target`` None) or a tensor chunk."""
+    """A small item to read in a group: a bytes item (``target`` None) or a tensor chunk."""
 
     req: ReadItem
     loc: ItemLocation
@@ -50,7 +58,7 @@ class _Small:
 class LoadJob:
     """Reads one plan of one load. Made per ``read_data`` by the reader."""
 
-    def __init__(self, engine: object, directory: Path, metadata: Metadata,
+    def __init__(self, engine: Engine, directory: Path, metadata: Metadata,
                  verify_checksums: bool, direct_io: bool, stamp: tuple | None = None) -> None:
         self.engine = engine
         self.directory = directory
@@ -59,45 +67,18 @@ class LoadJob:
         self.direct_io = direct_io
         self.stamp = stamp  # the .metadata read (metadata_stamp), to tell a replaced one
         self.stats = LoadStats(engine.io.name, verified=verify_checksums)
+        self._over = threading.Event()  # the reads are over (the engine's close waits)
 
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> LoadStats:
-        """Read every item of ``plan`` and hand it to ``planner``; return the figures."""
+        """Read every item of ``plan`` and hand it to ``planner``; return the figures. The
+        engine's ``close()`` waits for the reads (:meth:`wait`)."""
         start = time.perf_counter()
-        backend = self.engine.io
-        files = _OpenFiles(self.directory, self.direct_io, self.stamp)
-        jobs: list[tuple[ReadItem, torch.Tensor | None, Future]] = []
-        spans: list[Future] = []
-        small: dict[str, list[_Small]] = defaultdict(list)
-        room = self.engine.bounce.pool.capacity  # a span must fit in one bounce lease
-        small_max = min(SMALL_ITEM_BYTES, room)
+        self.engine.track(self)
         try:
-            for req in plan.items:
-                loc = self._location(req)
-                f = files.open(loc, req)
-                spec = self._checked_spec(f, loc, req)
-                if req.type == LoadItemType.BYTE_IO:
-                    if loc.length < small_max:
-                        small[loc.file].append(_Small(req, loc, None, spec))
-                    else:
-                        jobs.append((req, None, self.engine.submit(
-                            self._read_bytes, backend, f, loc, req)))
-                    continue
-                target = planner.resolve_tensor(req).detach()
-                if loc.length < small_max and not target.is_cuda:
-                    small[loc.file].append(_Small(req, loc, target, spec))
-                    continue
-                jobs.append((req, target, self.engine.submit(
-                    self._read_tensor, backend, f, loc, req, target, spec)))
-            files.check_layouts()  # after the items' own entries: their mismatches say more
-            for name, items in small.items():
-                for group in _spans(items, min(SPAN_BYTES, room)):
-                    spans.append(self.engine.submit(self._read_span, files.get(name), group))
-            done = [(req, target, job.result()) for req, target, job in jobs]
-            span_results = [s.result() for s in spans]
+            done = self._read_all(plan, planner)
         finally:
-            for f in [*(j for *_, j in jobs), *spans]:
-                f.exception()  # nothing may still read into memory once this returns
-            files.close()
+            self.engine.untrack(self)
+            self._over.set()
         for req, target, data in done:
             if target is None:
                 self.stats.bytes_read += len(data)
@@ -105,18 +86,53 @@ class LoadJob:
             else:
                 self.stats.bytes_read += target.numel() * target.element_size()
                 planner.commit_tensor(req, target)
-        for results in span_results:
-            for item, data in results:
-                if item.target is None:
-                    self.stats.bytes_read += len(data)
-                    planner.load_bytes(item.req, io.BytesIO(data))
-                else:
-                    self.stats.bytes_read += item.target.numel() * item.target.element_size()
-                    planner.commit_tensor(item.req, item.target)
         self.stats.seconds = time.perf_counter() - start
         return self.stats
 
-    def _read_span(self, f: _File, items: list[_Small]) -> list[tuple[_Small, bytes | None]]:
+    def wait(self, deadline: float) -> None:
+        """Block until the reads are over, or ``deadline`` (``time.monotonic``) passes."""
+        self._over.wait(max(0.0, deadline - time.monotonic()))
+
+    def end(self) -> None:
+        """The engine is closing: reads not yet started fail (the engine's ``submit``)."""
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> list[_Read]:
+        """Read every item; return (item, target or None for bytes, bytes or None)."""
+        files = _OpenFiles(self.directory, self.direct_io, self.stamp)
+        backend = self.engine.io
+        large: list[tuple[ReadItem, torch.Tensor | None, Future]] = []
+        groups: list[Future] = []
+        small: dict[str, list[_Small]] = defaultdict(list)
+        bounce = self.engine.bounce.pool.capacity  # a group must fit in one bounce lease
+        small_max = min(SMALL_ITEM_BYTES, bounce)
+        try:
+            for req in plan.items:
+                loc = self._location(req)
+                f = files.open(loc, req)
+                spec = self._checked_spec(f, loc, req)
+                target = None
+                if req.type != LoadItemType.BYTE_IO:
+                    target = planner.resolve_tensor(req).detach()
+                if loc.length < small_max and (target is None or not target.is_cuda):
+                    small[loc.file].append(_Small(req, loc, target, spec))
+                elif target is None:
+                    large.append((req, None, self.engine.submit(
+                        self._read_bytes, backend, f, loc, req)))
+                else:
+                    large.append((req, target, self.engine.submit(
+                        self._read_tensor, backend, f, loc, req, target, spec)))
+            files.check_layouts()  # after the items' own entries: their mismatches say more
+            for name, items in small.items():
+                for group in _groups(items, min(GROUP_BYTES, bounce)):
+                    groups.append(self.engine.submit(self._read_group, files.get(name), group))
+            done = [(req, target, f.result()) for req, target, f in large]  # data: bytes items
+            return done + [r for g in groups for r in g.result()]
+        finally:
+            for f in [*(f for *_, f in large), *groups]:
+                f.exception()  # nothing may still read into memory once this returns
+            files.close()
+
+    def _read_group(self, f: _File, items: list[_Small]) -> list[_Read]:
         """Read the items' bytes in one request, verify each, copy each into its target."""
         lo = items[0].loc.offset
         hi = max(i.loc.offset + i.loc.length for i in items)
@@ -135,10 +151,10 @@ class LoadJob:
                     verify_span([(0, mem)], item.loc.checksums, item.loc.block, item.loc.length,
                                 self._describe(item.loc, item.req))
                 if item.target is None:
-                    out.append((item, bytes(mem)))
+                    out.append((item.req, None, bytes(mem)))
                 else:
                     self._fill(item, lease.as_tensor(item.loc.length, a))
-                    out.append((item, None))
+                    out.append((item.req, item.target, None))
             return out
         finally:
             lease.release()
@@ -284,14 +300,14 @@ class LoadJob:
 
 
 
-def _spans(items: list[_Small], limit: int) -> list[list[_Small]]:
-    """Group a file's small items (by offset) into spans read in one request each."""
+def _groups(items: list[_Small], limit: int) -> list[list[_Small]]:
+    """Group a file's small items (by offset), each group read in one request."""
     items = sorted(items, key=lambda i: i.loc.offset)
     groups: list[list[_Small]] = []
     lo = end = 0
     for item in items:
         a, b = item.loc.offset, item.loc.offset + item.loc.length
-        if groups and a - end <= SPAN_GAP and b - lo <= limit:
+        if groups and a - end <= GROUP_GAP and b - lo <= limit:
             groups[-1].append(item)
             end = max(end, b)
         else:
@@ -390,64 +406,3 @@ class _OpenFiles:
 
 def _bytes(n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8)
-
-
-def stored_spec(metadata: Metadata, index: MetadataIndex, loc: ItemLocation, tensor: bool,
-                what: str) -> ItemSpec:
-    """A stored item (a tensor chunk, or bytes) as ``.metadata`` describes it: its data file
-    entry name, dtype, shape and bytes. Raises ``CheckpointCorruptError`` naming ``what``
-    where ``.metadata`` contradicts itself."""
-    name = entry_name(index)
-    if not tensor:
-        return ItemSpec(name, None, (loc.length,), loc.length)
-    md = metadata.state_dict_metadata.get(index.fqn)
-    if not isinstance(md, TensorStorageMetadata):
-        raise CheckpointCorruptError(f"{what}: not a tensor in .metadata")
-    offset = None if index.offset is None else tuple(index.offset)
-    shape = next((tuple(c.sizes) for c in md.chunks if offset is None or c.offsets == offset),
-                 None)
-    if shape is None:
-        raise CheckpointCorruptError(f"{what}: no stored chunk at offsets {index.offset}")
-    dtype = md.properties.dtype
-    if math.prod(shape) * dtype.itemsize != loc.length:
-        raise CheckpointCorruptError(
-            f"{what}: {loc.length} bytes stored for a {dtype} chunk of shape {list(shape)}")
-    return ItemSpec(name, dtype, shape, loc.length)
-
-
-def check_locations(directory: Path, metadata: Metadata) -> None:
-    """Reject locations that point outside the checkpoint directory or make no sense."""
-    if not isinstance(metadata.storage_data, dict):
-        raise CheckpointCorruptError(f"{directory}/.metadata: storage data is not a mapping")
-    for index, loc in metadata.storage_data.items():
-        if not isinstance(loc, ItemLocation):
-            raise CheckpointCorruptError(
-                f"{directory}/.metadata: item {index.fqn!r} has no DataStates location; was "
-                f"this checkpoint written by another storage writer?"
-            )
-        name_ok = isinstance(loc.file, str) and loc.file not in ("", ".", "..") and (
-            "/" not in loc.file and "\\" not in loc.file and "\0" not in loc.file
-        )
-        numbers_ok = all(_is_int(v) for v in (loc.offset, loc.length, loc.block)) and (
-            loc.offset >= 0 and loc.length >= 0 and loc.block > 0
-        )
-        if not name_ok or not numbers_ok:
-            raise CheckpointCorruptError(
-                f"{directory}/.metadata: item {index.fqn!r} has an invalid location {loc!r}"
-            )
-        checksums = loc.checksums
-        need = max(1, -(-loc.length // loc.block))
-        if (
-            not isinstance(checksums, (tuple, list))
-            or len(checksums) != need
-            or not all(_is_int(c) for c in checksums)
-        ):
-            count = len(checksums) if isinstance(checksums, (tuple, list)) else type(checksums)
-            raise CheckpointCorruptError(
-                f"{directory}/.metadata: item {index.fqn!r} has {count} checksums where its "
-                f"{loc.length} bytes in blocks of {loc.block} need {need}"
-            )
-
-
-def _is_int(value: object) -> bool:
-    return type(value) is int  # bools are not offsets or lengths

@@ -24,7 +24,7 @@ class StagedSaves:
         """The job whose snapshot the calling thread took (None: this is a plain save)."""
         me = threading.current_thread()
         with self._lock:
-            job = next((j for j in self._jobs if j.taken_by(me)), None)
+            job = next((j for j in self._jobs if not j.ended and j.tie.taken_by(me)), None)
             if job is not None:
                 self._jobs.remove(job)
         return job
@@ -35,5 +35,5 @@ class StagedSaves:
             jobs, self._jobs = self._jobs, []
         for job in jobs:
             job.copied.wait()  # its staging thread must be done with the lease
-            if job.caller is None:
-                job.end(CheckpointError(f"save {job.id}'s snapshot was discarded by close()"))
+            if job.tie.caller is None:
+                job.end(CheckpointError(f"save {job.ticket}'s snapshot was discarded by close()"))

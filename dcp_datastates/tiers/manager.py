@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from ..align import round_up
 from ..directory import memory_backed
 from ..engine import Engine, default_engine
 from ..errors import CheckpointError
-from ..host_cache import round_up
 from ..reader import DataStatesReader
 from ..sizes import format_size, parse_size
 from ..snapshot import layout, nbytes_of, walk

@@ -23,9 +23,9 @@ import shutil
 import threading
 from pathlib import Path
 
+from ..align import ALIGN, round_up
 from ..directory import new_token
-from ..host_cache import Arena, Lease, round_up
-from ..io.base import ALIGN
+from ..host_cache import Arena, Lease
 
 log = logging.getLogger("dcp_datastates")
 

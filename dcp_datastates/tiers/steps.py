@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..directory import new_token
+from ..entries import check_locations
 from ..errors import CheckpointCorruptError
-from ..jobs.load import check_locations
 from ..metadata_file import METADATA_NAME, read_metadata
 
 STEP_RE = re.compile(r"^step_(\d+)$")
