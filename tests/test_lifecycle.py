@@ -208,8 +208,8 @@ class GatedLoadPlanner(DefaultLoadPlanner):
 
 def test_close_waits_for_a_load_in_progress(tmp_path: Path, make_engine) -> None:
     """A load running when ``Engine.close()`` is called finishes; close waits for it."""
-    state = {"w": rand_tensor((1024, 300), torch.float32, seed=9), "b": rand_tensor((7,), torch.int64, seed=3),
-             "step": 9}
+    state = {"w": rand_tensor((1024, 300), torch.float32, seed=9),
+             "b": rand_tensor((7,), torch.int64, seed=3), "step": 9}
     dcp.save(state, checkpoint_id=tmp_path / "ck", no_dist=True,
              storage_writer=DataStatesWriter(engine=make_engine(io_backend="threads")))
     engine = make_engine(io_backend=FaultyBackend(ThreadPoolBackend(), read_delay_s=0.2))
