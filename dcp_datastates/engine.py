@@ -209,9 +209,8 @@ class Engine:
         flushed; a request larger than the cache is admitted once nothing else holds it. It
         returns None when the save order gives the wait up (only snapshots that no save has
         taken hold the cache: ``jobs/ordering.py``), and the caller stages in pageable memory.
-        Without ``wait`` (a save
-        whose turn it is: what holds memory waits behind it), returns None at once when the
-        memory is taken.
+        Without ``wait`` (a save whose turn it is: what holds memory waits behind it), returns
+        None at once when the memory is taken.
         """
         if nbytes <= 0:
             return None

@@ -128,9 +128,9 @@ class DataFile:
             if r.offset % ALIGN == 0 and r.addr % ALIGN == 0:
                 next_start = runs[i + 1].offset if i + 1 < len(runs) else None
                 whole = round_up(r.nbytes)
-                lease_room = (r.lease.addr + r.lease.capacity - r.addr) if r.lease else 0
+                lease_left = (r.lease.addr + r.lease.capacity - r.addr) if r.lease else 0
                 fits = next_start is None or next_start >= r.offset + whole
-                body = whole if lease_room >= whole and fits else r.nbytes - r.nbytes % ALIGN
+                body = whole if lease_left >= whole and fits else r.nbytes - r.nbytes % ALIGN
             for s in range(0, body, self.extent):
                 self._start(self._write, [IOReq(r.addr + s, min(self.extent, body - s),
                                                 r.offset + s)])
@@ -214,16 +214,16 @@ class DataFile:
 def _extents(pieces: list[Piece], extent: int) -> list[tuple[int, int, list[Piece]]]:
     """Block-aligned ``[a, b)`` extents covering ``pieces`` (sorted by offset), each with the
     pieces that overlap it."""
-    spans: list[list[int]] = []
+    ranges: list[list[int]] = []
     for p in pieces:
         lo, hi = p.offset - p.offset % ALIGN, round_up(p.end)
-        if spans and lo <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], hi)
+        if ranges and lo <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], hi)
         else:
-            spans.append([lo, hi])
+            ranges.append([lo, hi])
     out: list[tuple[int, int, list[Piece]]] = []
     k = 0
-    for lo, hi in spans:
+    for lo, hi in ranges:
         for a in range(lo, hi, extent):
             b = min(a + extent, hi)
             while k < len(pieces) and pieces[k].end <= a:

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from dcp_datastates import CheckpointCorruptError
+from dcp_datastates.align import ALIGN
 from dcp_datastates.directory import LOCK_NAME
 from dcp_datastates.file_format import (
     LARGE_ITEM_BYTES,
@@ -42,7 +43,6 @@ from dcp_datastates.file_format import (
     plan_layout,
     read_header,
 )
-from dcp_datastates.io import ALIGN
 from dcp_datastates.metadata_file import read_metadata, write_metadata
 
 pytestmark = MARKS

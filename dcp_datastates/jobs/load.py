@@ -94,7 +94,8 @@ class LoadJob:
         self._over.wait(max(0.0, deadline - time.monotonic()))
 
     def end(self) -> None:
-        """The engine is closing: reads not yet started fail (the engine's ``submit``)."""
+        """The engine is closing: nothing to do here. Its I/O threads finish the reads already
+        submitted before the bounce buffers are freed, and refuse later ones."""
 
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> list[_Read]:
         """Read every item; return (item, target or None for bytes, bytes or None)."""
@@ -281,7 +282,7 @@ class LoadJob:
                      lease: Lease, req: ReadItem) -> None:
         """Item bytes ``[s, s + lease.nbytes)`` into ``lease``: O_DIRECT for the aligned body.
 
-        The body is read in whole 4 KiB blocks (the lease has room for the rounding), up to
+        The body is read in whole 4 KiB blocks (the lease has space for the rounding), up to
         the file's last whole block; what is left (the file's tail) is read buffered.
         """
         start, end = loc.offset + s, loc.offset + s + lease.nbytes

@@ -145,7 +145,7 @@ class SaveJob:
             return None
         try:
             return self.target.lease(total, entries)
-        except (OSError, RuntimeError) as exc:  # no room on the tier, pinning refused
+        except (OSError, RuntimeError) as exc:  # no space on the tier, pinning refused
             log.warning("dcp_datastates: save %d: %s unusable (%s); the snapshot goes to the "
                         "host cache and is copied", self.ticket, self.target, exc)
             return None

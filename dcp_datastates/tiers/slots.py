@@ -40,7 +40,8 @@ def header_room(entries: int) -> int:
 
 
 class Slot:
-    """One slot file, its mapping, and where the file is now (its home or a step directory)."""
+    """One slot file, its mapping, and where the file is now (its home or a step directory).
+    A snapshot target (``snapshot.SnapshotTarget``) of memory-tier saves."""
 
     def __init__(self, pool: SlotPool, index: int) -> None:
         self.pool = pool
@@ -50,9 +51,8 @@ class Slot:
         self.arena: Arena | None = None
         self.fd = -1  # the file is made by the first fit()
 
-    @property
-    def addr(self) -> int:
-        return self.arena.addr
+    def __str__(self) -> str:
+        return f"memory-tier slot {self.home}"
 
     @property
     def nbytes(self) -> int:
