@@ -1,7 +1,7 @@
 """A copy job: a committed checkpoint's data files copied into another directory, then committed.
 
 Each data file goes through the engine's I/O path (with O_DIRECT where the target's file system
-allows), straight from a read-only shared mapping of the source file; the copy is committed by
+allows), straight from a mapping of the source file; the copy is committed by
 the same code as any save (:mod:`.commit`): as a whole checkpoint, or as a *part* (its metadata
 in a directory of its own, its data files beside other parts' in the target), which a later
 commit merges with the other parts.
@@ -10,14 +10,13 @@ commit merges with the other parts.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import numpy
 
 from ..directory import new_token
 from ..file_writer import DataFile, Piece
@@ -63,20 +62,22 @@ def copy_file(engine: Engine, source: Path, target: Path) -> None:
 
 @contextlib.contextmanager
 def _mapped(path: Path) -> Iterator[tuple[int, int]]:
-    """(address, size) of a read-only shared mapping of ``path``, populated at once (one
-    fault pass, not a fault per page)."""
+    """(address, size) of a mapping of ``path``, opened read-only (the source may be a file
+    the caller cannot write). The mapping is private and writable only so that ctypes gives
+    its address; nothing writes it, so no page is copied (and it is not populated up front,
+    which would copy every page of a private writable mapping)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         if not size:
             yield 0, 0
             return
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        with mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ) as mapping:
-            view = numpy.frombuffer(mapping, dtype=numpy.uint8)  # the address of a read-only map
+        with mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE) as mapping:
+            first = ctypes.c_char.from_buffer(mapping)
             try:
-                yield view.ctypes.data, size
+                yield ctypes.addressof(first), size
             finally:
-                del view  # its export of the mapping ends here, so the mapping can close
+                del first  # its hold on the mapping ends here, so the mapping can close
     finally:
         os.close(fd)
