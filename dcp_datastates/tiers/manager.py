@@ -191,8 +191,9 @@ class CheckpointManager:
         self._after.submit(lambda: None).result()
 
     def _raise_unreported(self) -> None:
-        errors = list(self._unreported)
-        self._unreported.clear()  # in place: the persister adds to this list
+        errors = []
+        while self._unreported:  # taken one by one, in place: the persist thread adds to it
+            errors.append(self._unreported.pop(0))
         if errors:
             raise errors[0]
 
