@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..directory import DirectoryClaim, fsync_dir, new_token, remove_unreferenced
+from ..directory import DirectoryClaim, new_token
 from ..engine import Engine
 from ..errors import CheckpointError
 from ..host_cache import Lease
-from ..metadata_file import METADATA_NAME, write_metadata
+from ..metadata_file import METADATA_NAME
 from ..sizes import format_size
 from ..snapshot import (
     Snapshot,
@@ -38,6 +38,7 @@ from ..snapshot import (
     walk,
 )
 from ..stats import SaveStats
+from .commit import commit
 from .flush import write_data_file
 from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
 
@@ -201,29 +202,11 @@ class SaveJob:
     def commit(self, metadata: Metadata, results: list[list[WriteResult]],
                storage_meta: StorageMeta) -> None:
         """Commit ``.metadata`` (after every rank's file is durable) and end the save."""
-        directory = self.directory
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = storage_meta
         metadata.version = CURRENT_DCP_VERSION
-        ours = {loc.file for loc in metadata.storage_data.values()}
-        try:
-            fsync_dir(directory)
-            write_metadata(directory, metadata, self.token)
-        except BaseException:
-            if not self._committed(directory):  # no .metadata names them: nothing will
-                for name in ours:  # every rank's file of this save
-                    (directory / name).unlink(missing_ok=True)
-            raise
-        if remove_unreferenced(directory, ours):
-            fsync_dir(directory)
+        commit(self.directory, metadata, self.token)
         self.end(None)
-
-    def _committed(self, directory: Path) -> bool:
-        """Whether the directory's ``.metadata`` is this save's (its token is in it)."""
-        try:
-            return self.token.encode() in (directory / METADATA_NAME).read_bytes()
-        except OSError:
-            return False
 
     def hand_off(self) -> None:
         """DCP's PROCESS checkpointer has pickled (so copied) the snapshot to its process:

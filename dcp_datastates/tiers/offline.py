@@ -18,6 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from .persist import parts_of, persist_part
@@ -31,6 +32,9 @@ from .steps import (
     step_dir,
     steps,
 )
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 RANK_RE = re.compile(r"^rank_(\d+)$")
 REPLICAS = "replicas"
@@ -171,7 +175,7 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def persist_job(engine: object, memory: list[Path], durable: Path, step: int | None = None,
+def persist_job(engine: Engine, memory: list[Path], durable: Path, step: int | None = None,
                 *, partial: bool = False) -> Outcome:
     """Persist ``step`` (default: the newest step complete in ``memory``, if it is newer than
     every step committed in ``durable``) of a job from its memory tiers ``memory`` (each a
@@ -188,26 +192,11 @@ def persist_job(engine: object, memory: list[Path], durable: Path, step: int | N
     _check_durable(durable, tiers)
     found, notes = sources(tiers)
     given = ", ".join(map(str, memory))
-    held = committed_steps(durable) if durable.is_dir() else []
     if step is None:
-        if not found:
-            return Outcome(None, None, reason=f"no committed checkpoint in {given}", notes=notes)
-        incomplete = []
-        for s in sorted(found, reverse=True):
-            plan = _plan(s, found[s], step_dir(durable, s))
-            if not plan.missing:
-                step = s
-                break
-            incomplete.append(plan.lacks(s))
-        if step is None:
-            raise CheckpointError(
-                f"no step is complete in {given}: {'; '.join(incomplete)}. Give every rank's "
-                f"memory tier (or a job's memory root), or --step with --partial")
-        notes += [f"{x}: not persisted" for x in incomplete]
-        if held and held[-1] >= step:
-            return Outcome(step, step_dir(durable, step), notes=notes, reason=(
-                f"the newest complete step in memory, {step}, is not newer than step "
-                f"{held[-1]} in {durable}"))
+        step, why = _newest(found, durable, given, notes)
+        if why:
+            return Outcome(step, step_dir(durable, step) if step is not None else None,
+                           reason=why, notes=notes)
     target = step_dir(durable, step)
     if committed(target):
         return Outcome(step, target, notes=notes,
@@ -224,6 +213,35 @@ def persist_job(engine: object, memory: list[Path], durable: Path, step: int | N
             f"{plan.lacks(step)}: give every rank's memory tier (or a peer's replica), or "
             f"--partial to write the parts found in {given} and leave the commit to a run "
             f"that adds the rest")
+    return _write(engine, plan, step, target, notes)
+
+
+def _newest(found: dict[int, dict[int, list[Source]]], durable: Path, given: str,
+            notes: list[str]) -> tuple[int | None, str]:
+    """The newest step complete in ``found``, and why nothing is to be done with it ("": it
+    is to be persisted); notes the steps passed over in ``notes``."""
+    if not found:
+        return None, f"no committed checkpoint in {given}"
+    incomplete = []
+    for s in sorted(found, reverse=True):
+        plan = _plan(s, found[s], step_dir(durable, s))
+        if not plan.missing:
+            break
+        incomplete.append(plan.lacks(s))
+    else:
+        raise CheckpointError(
+            f"no step is complete in {given}: {'; '.join(incomplete)}. Give every rank's "
+            f"memory tier (or a job's memory root), or --step with --partial")
+    notes += [f"{x}: not persisted" for x in incomplete]
+    held = committed_steps(durable) if durable.is_dir() else []
+    if held and held[-1] >= s:
+        return s, (f"the newest complete step in memory, {s}, is not newer than step "
+                   f"{held[-1]} in {durable}")
+    return s, ""
+
+
+def _write(engine: Engine, plan: _Plan, step: int, target: Path, notes: list[str]) -> Outcome:
+    """Write the parts ``plan`` chose into ``target``; the last one commits the step."""
     notes += plan.problems
     notes += [f"rank {src.rank}'s checkpoint of step {step} comes from the replica {src.path}"
               for src in plan.chosen.values() if src.replica]
@@ -232,7 +250,7 @@ def persist_job(engine: object, memory: list[Path], durable: Path, step: int | N
                       notes=notes)
     for rank in sorted(plan.chosen):  # each part checked above; the last one commits the step
         src = plan.chosen[rank]
-        outcome.committed = persist_part(engine, src.path, target)
+        outcome.committed = persist_part(engine, src.path, target, src.rank, plan.world)
         outcome.written.append(src)
         outcome.bytes += size_of(src.path)
     outcome.seconds = time.perf_counter() - start

@@ -1,34 +1,35 @@
-"""Persist: copy memory-tier checkpoints to the durable tier and commit them there.
+"""Persist: copy a memory-tier checkpoint to the durable tier and commit it there.
 
-Each rank copies its own memory-tier checkpoint into the durable step directory (its data file
-goes through the engine's I/O path, straight from a mapping of the memory file, with O_DIRECT
-where the file system allows), then leaves its metadata there as a part: ``.part.<rank>``, a
-directory holding that rank's ``.metadata`` (written and read like any ``.metadata``).
-Whichever rank completes the set of parts merges them into one ``.metadata`` under the
-directory's claim and commits it atomically, so the durable checkpoint is an ordinary
-DataStates checkpoint of the whole job (it loads on any number of ranks). A persist that stops
-half-way leaves no ``.metadata``: the step is never taken for a checkpoint.
+A persist is a copy job (:mod:`dcp_datastates.jobs.copy`) whose source is one rank's
+memory-tier step: the rank's data file goes into the durable step directory through the
+engine's I/O path, and its metadata is committed as a part, ``.part.<rank>`` (a directory
+holding that rank's ``.metadata``). Whichever rank completes the set of parts merges them into
+one ``.metadata`` under the directory's claim and commits it (the same commit as any save's),
+so the durable checkpoint is an ordinary DataStates checkpoint of the whole job (it loads on
+any number of ranks). A persist that stops half-way leaves no ``.metadata``: the step is never
+taken for a checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..directory import DirectoryClaim, fsync_dir, new_token, remove_unreferenced
+from ..directory import DirectoryClaim, new_token
 from ..errors import CheckpointError
-from ..file_writer import DataFile, Piece
-from ..host_cache import _MAP_FAILED, _libc
-from ..metadata_file import read_metadata, write_metadata
-from .steps import TierRecord, check_complete, committed, committed_steps, step_dir
+from ..jobs.commit import commit
+from ..jobs.copy import copy_checkpoint
+from ..metadata_file import read_metadata
+from .steps import check_complete, committed
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 log = logging.getLogger("dcp_datastates")
 
@@ -37,59 +38,16 @@ PART_PREFIX = ".part."
 CLAIM_WAIT_S = 30.0
 
 
-def persist_part(engine: object, source: Path, target: Path) -> bool:
-    """Copy this rank's memory-tier checkpoint ``source`` into the durable step ``target``;
-    commit ``target`` if this completes its parts. Returns whether ``target`` is committed."""
+def persist_part(engine: Engine, source: Path, target: Path, rank: int, world_size: int) -> bool:
+    """Copy ``rank``'s memory-tier checkpoint ``source`` into the durable step ``target`` of a
+    job of ``world_size`` ranks; commit ``target`` if this completes its parts. Returns whether
+    ``target`` is committed."""
     check_complete(source)
-    record = TierRecord.read(source)
-    metadata = read_metadata(source)
     target.mkdir(parents=True, exist_ok=True)
     if committed(target):
         return True
-    for name in sorted({loc.file for loc in metadata.storage_data.values()}):
-        copy_file(engine, source / name, target / name)
-    fsync_dir(target)
-    part = target / f"{PART_PREFIX}{record.rank}"
-    shutil.rmtree(part, ignore_errors=True)  # what a persist that died left of this rank's part
-    part.mkdir()
-    write_metadata(part, metadata, new_token())
-    fsync_dir(target)
-    return commit_parts(target, record.world_size)
-
-
-def copy_file(engine: object, source: Path, target: Path) -> None:
-    """Copy one data file through the engine's I/O backend; durable when this returns."""
-    target.unlink(missing_ok=True)  # what a persist that died left of this rank's file
-    with _mapped(source) as (addr, size):
-        file = DataFile(target, None, engine.io, engine.bounce.pool, engine.submit)
-        try:
-            file.preallocate(size)
-            file.write([Piece(0, addr, size)])
-        except BaseException:
-            file.abort()
-            raise
-        file.finish(size)
-
-
-@contextlib.contextmanager
-def _mapped(path: Path) -> Iterator[tuple[int, int]]:
-    """(address, size) of a read-only shared mapping of ``path``."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        if not size:
-            yield 0, 0
-            return
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # one fault pass, not a fault per page
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | populate, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            raise OSError(f"cannot map {path}")
-        try:
-            yield addr, size
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+    copy_checkpoint(engine, source, target, part=target / f"{PART_PREFIX}{rank}")
+    return commit_parts(target, world_size)
 
 
 def commit_parts(target: Path, world_size: int) -> bool:
@@ -103,12 +61,11 @@ def commit_parts(target: Path, world_size: int) -> bool:
         if not all(committed(p) for p in parts):
             return False
         merged = merge([read_metadata(p) for p in parts], target)
-        write_metadata(target, merged, new_token())
-        for p in parts:
-            shutil.rmtree(p, ignore_errors=True)
-        # data files of an earlier persist of this step that died (another save's): garbage
-        remove_unreferenced(target, {loc.file for loc in merged.storage_data.values()})
-        fsync_dir(target)
+        try:  # also deletes data files of an earlier persist of this step that died
+            commit(target, merged, new_token())
+        finally:  # merged, or the data files they name are gone: the parts are void
+            for p in parts:
+                shutil.rmtree(p, ignore_errors=True)
         return True
     finally:
         claim.release()
@@ -170,19 +127,3 @@ def parts_of(target: Path) -> list[int]:
     return sorted(int(n[len(PART_PREFIX):]) for n in names
                   if n.startswith(PART_PREFIX) and n[len(PART_PREFIX):].isdigit())
 
-
-
-def persist_leftover(engine: object, memory: Path, durable: Path,
-                     step: int | None = None) -> tuple[int, bool] | None:
-    """Persist ``step`` (default: the newest committed in ``memory``, if ``durable`` has no
-    newer committed step) from one rank's memory tier. Returns (step, whether the durable step
-    is committed now: False until every rank's part is there), or None if nothing is due."""
-    held = committed_steps(memory)
-    if step is None:
-        newest = committed_steps(durable)
-        if not held or (newest and newest[-1] >= held[-1]):
-            return None
-        step = held[-1]
-    elif step not in held:
-        raise CheckpointError(f"{memory} holds no committed checkpoint of step {step}")
-    return step, persist_part(engine, step_dir(memory, step), step_dir(durable, step))

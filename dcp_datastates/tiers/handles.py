@@ -1,0 +1,61 @@
+"""What a managed save hands back: its handle, its figures, and the error of a full tier."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointError
+
+
+class TierFullError(CheckpointError):
+    """The memory tier has no room for a checkpoint; nothing was written."""
+
+
+@dataclass
+class SaveFigures:
+    """One rank's figures for one managed save: when each of its stages was over (seconds
+    from the ``save`` call), across the tiers.
+
+    Not :class:`~dcp_datastates.stats.SaveStats`, which holds what one storage save did
+    (bytes, flush time, I/O backend): a managed save spans a snapshot, the memory tier's
+    storage save (with its own ``SaveStats``), a replica and maybe a persist; these are its
+    milestones.
+    """
+
+    step: int
+    bytes: int = 0
+    blocked_s: float | None = None
+    snapshot_s: float | None = None
+    memory_s: float | None = None
+    persist_s: float | None = None
+    replicated: bool = False
+
+
+@dataclass
+class SaveHandle:
+    """A managed save in flight: its snapshot (``staged``), its commit into the memory tier
+    (``committed``) and, if it is persisted, its copy into the durable tier (``persisted``:
+    this rank's part there, and the commit of the step if this rank completed it)."""
+
+    step: int
+    staged: Future
+    committed: Future
+    persisted: Future | None = None
+    figures: SaveFigures = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.figures = SaveFigures(self.step)
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait for the memory commit (and the persist, if any); raise what failed."""
+        self.committed.result(timeout)
+        if self.persisted is not None:
+            self.persisted.result(timeout)
+
+
+def failed_handle(step: int, error: BaseException) -> SaveHandle:
+    """The handle of a save that did not start: both futures carry ``error``."""
+    failed: Future = Future()
+    failed.set_exception(error)
+    return SaveHandle(step, failed, failed)

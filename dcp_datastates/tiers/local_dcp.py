@@ -1,0 +1,65 @@
+"""DCP's one-process save and load, which a rank's memory-tier checkpoints are.
+
+A memory-tier checkpoint is one rank's own (ranks commit at their own pace, with no collective),
+so DCP runs it with ``no_dist=True``. DCP's public ``save`` and ``load`` then warn at every call
+("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to ...
+in a single process"): they cannot tell a one-process call made on purpose from a forgotten
+``init_process_group``. The functions here run the steps those calls run after that warning
+(DCP's one-process ``_save_state_dict`` / ``_load_state_dict``, with the storage pointed at the
+checkpoint and ``Stateful`` values given as their state dicts), so the manager neither emits
+that warning nor touches the process's warning filters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..reader import DataStatesReader
+from ..writer import DataStatesWriter
+
+
+def plain(state: dict) -> dict:
+    """``state`` with its ``Stateful`` values replaced by their state dicts (as DCP does)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def save(state: dict, writer: DataStatesWriter) -> None:
+    """Save ``state`` (no ``Stateful`` values: see :func:`plain`) through ``writer``, which
+    names the checkpoint's directory, as ``dcp.save(..., no_dist=True)`` does."""
+    with storage_errors():  # a full tier, a failed write
+        _save_state_dict(state_dict=state, storage_writer=writer, no_dist=True)
+
+
+def load(state: dict, directory: Path, reader: DataStatesReader) -> None:
+    """Load the checkpoint in ``directory`` into ``state`` in place, as
+    ``dcp.load(..., no_dist=True)`` does: ``Stateful`` values load their state dicts, others
+    are replaced."""
+    with storage_errors():  # a checksum mismatch, a short file
+        reader.reset(str(directory))
+        loaded = plain(state)
+        _load_state_dict(state_dict=loaded, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(loaded[key])
+        else:
+            state[key] = loaded[key]
+
+
+@contextlib.contextmanager
+def storage_errors() -> Iterator[None]:
+    """Raise what a storage step raised (an OSError, a CheckpointError) rather than DCP's
+    ``CheckpointException`` that wraps it, which ``except Exception`` does not catch."""
+    try:
+        yield
+    except CheckpointException as exc:
+        inner = [e for e, _trace in exc.failures.values() if isinstance(e, Exception)]
+        if inner:
+            raise inner[0] from exc
+        raise

@@ -1,0 +1,160 @@
+"""Saves into the memory tier: admission, the snapshot, DCP's one-process save, and what
+follows each commit (the slot, the figures, retention, the replica).
+
+A save is admitted only if the tier has room for it (else :class:`TierFullError`, and nothing
+is written). Its snapshot runs on the engine's staging thread (into a slot of the tier on
+tmpfs); the rest of the save, DCP's part, runs on the upload thread, as ``dcp.async_save``
+would run it on a thread of its own. What follows the commits runs in save order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..align import round_up
+from ..engine import Engine
+from ..sizes import format_size
+from ..snapshot import nbytes_of
+from ..writer import DataStatesWriter
+from . import local_dcp, replica
+from .handles import SaveFigures, SaveHandle, TierFullError, failed_handle
+from .ranks import Ranks
+from .retention import Retention
+from .slots import Slot, SlotPool
+from .steps import TierRecord, size_of, step_dir, steps
+
+log = logging.getLogger("dcp_datastates")
+
+#: Room a memory-tier save needs besides its tensors: headers and bytes items.
+SLACK_BYTES = 1 << 20
+
+
+class MemorySaver:
+    """Starts this rank's saves into its memory tier and settles them in save order.
+
+    ``limit``: bytes the tier may hold (None: what its file system has free); ``replicas``: the
+    ranks on the replicas' group (None: no replicas); ``history``: where the figures of the
+    saves committed go.
+    """
+
+    def __init__(self, retention: Retention, limit: int | None, keep: int,
+                 slots: SlotPool | None, ranks: Ranks, replicas: Ranks | None,
+                 engine: Callable[[], Engine], history: list[SaveFigures]) -> None:
+        self.retention, self.memory = retention, retention.memory
+        self.limit, self.keep, self.slots = limit, keep, slots
+        self.ranks, self.replicas, self.engine, self.history = ranks, replicas, engine, history
+        # runs each save's DCP part, as dcp.async_save's thread would (so not "dcp_datastates-":
+        # the writer ties a DCP save to the snapshot its thread took)
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager-upload")
+
+    def start(self, step: int, state: dict, start: float, slot: Slot | None) -> SaveHandle:
+        """Start the save of ``state`` (plain: no ``Stateful``) at ``step``; a save that cannot
+        start fails its handle (logged) and leaves nothing."""
+        directory = step_dir(self.memory, step)
+        writer = None
+        try:
+            nbytes = state_bytes(state)
+            self._admit(step, nbytes, slot.nbytes if slot is not None else 0)
+            directory.mkdir(parents=True, exist_ok=True)
+            TierRecord(step, self.ranks.rank, self.ranks.world).write(directory)
+            writer = DataStatesWriter(directory, engine=self.engine(), overwrite=True,
+                                      snapshot_into=slot)
+            staged = writer.stage(state)
+            committed = self._uploader.submit(self._upload, writer, staged)
+        except Exception as exc:  # noqa: BLE001 - the handle carries it; training goes on
+            if writer is not None:
+                writer.close()  # a snapshot staged for a save that will not run: given back
+            log.error("dcp_datastates: checkpoint of step %d not taken: %s", step, exc)
+            return failed_handle(step, exc)
+        handle = SaveHandle(step, staged, committed)
+        handle.figures.blocked_s = time.perf_counter() - start
+        handle.figures.bytes = nbytes
+        handle.staged.add_done_callback(
+            lambda _f: setattr(handle.figures, "snapshot_s", time.perf_counter() - start))
+        return handle
+
+    def _admit(self, step: int, nbytes: int, reuse: int) -> None:
+        """Raise TierFullError unless a save of ``nbytes`` fits, ``reuse`` bytes of them in
+        the slot it is snapshotted into (on the tier already)."""
+        need = max(0, nbytes - reuse) + SLACK_BYTES
+        free = self.room(reuse)
+        if need > free:
+            raise TierFullError(
+                f"memory tier {self.memory} has {format_size(free)} free; the checkpoint "
+                f"of step {step} needs {format_size(need)}. Nothing was written; give the "
+                f"tier more room (a larger /dev/shm, memory_limit=, or memory_dir= on local "
+                f"NVMe) or keep fewer checkpoints (keep_memory={self.keep})")
+
+    def _upload(self, writer: DataStatesWriter, staged: Future) -> None:
+        """The rest of a save, as ``dcp.async_save`` runs it on a thread of its own (this
+        thread stays, so a save costs the training loop no thread start): DCP's save of the
+        snapshot, once it is copied."""
+        try:
+            local_dcp.save(staged.result(), writer)
+        finally:
+            writer.close()  # a snapshot that DCP's save did not take is given back
+
+    def room(self, reused: int = 0) -> int:
+        """Bytes a new memory-tier checkpoint may take now, besides the ``reused`` bytes of
+        the slot it is snapshotted into (on the tier already: they count towards the limit,
+        not against the file system's free space)."""
+        st = os.statvfs(self.memory)
+        free = st.f_bavail * st.f_frsize
+        if self.limit is None:
+            return free
+        roots = self.retention.memory_roots()
+        used = sum(size_of(step_dir(root, s)) for root in roots for s in steps(root))
+        used += self.slots.free_bytes() if self.slots is not None else 0
+        return max(0, min(free, self.limit - used - reused))
+
+    def after_commit(self, handle: SaveHandle, start: float, slot: Slot | None) -> None:
+        """In save order: the slot, the figures, the memory tier's retention, the replica."""
+        ok = handle.committed.exception() is None
+        if slot is not None:
+            self.slots.settle(slot, step_dir(self.memory, handle.step), ok)
+        if ok:
+            handle.figures.memory_s = time.perf_counter() - start
+            self.history.append(handle.figures)
+            self.retention.retain(self.memory, self.keep)
+        if self.replicas is not None:
+            mine = step_dir(self.memory, handle.step) if ok else None
+            try:
+                with self.retention.reading(handle.step):
+                    got = replica.replicate_step(self.replicas.group, self.ranks.rank,
+                                                 self.ranks.world, self.memory, handle.step,
+                                                 mine)
+                handle.figures.replicated = True
+                if got is not None:
+                    self.retention.retain(got.parent, self.keep)
+            except Exception as exc:  # noqa: BLE001 - the copy in memory stands
+                log.error("dcp_datastates: replica of step %d failed: %s", handle.step, exc)
+
+    def close(self) -> None:
+        """Wait for the saves started, and stop the upload thread."""
+        self._uploader.shutdown(wait=True)
+
+
+def state_bytes(state: dict) -> int:
+    """Bytes the tensors of ``state`` take, each rounded up to a page (shared ones once)."""
+    total, seen, todo = 0, set(), [state]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, DTensor):
+            total += round_up(nbytes_of(obj.to_local()))
+        elif isinstance(obj, torch.Tensor):
+            total += round_up(nbytes_of(obj))
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list):
+            todo.extend(obj)
+    return total

@@ -1,0 +1,117 @@
+"""Choosing what to restore, and restoring it: the newest step every rank can load, from the
+fastest tier that holds it.
+
+Each rank tells the others what it holds (its view: steps committed and complete in its memory
+tier, the replicas it keeps of other ranks, steps committed in the durable tier); every rank
+then makes the same choice from the same views. A rank whose memory tier lacks the step gets
+it back from a peer's replica, if one holds it, else reads it from the durable tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..engine import Engine
+from ..errors import CheckpointError
+from ..reader import DataStatesReader
+from . import local_dcp, replica
+from .ranks import Ranks
+from .steps import committed, committed_steps, complete, step_dir
+
+log = logging.getLogger("dcp_datastates")
+
+
+def view(memory: Path, durable: Path | None, replicas_of: range) -> dict:
+    """What this rank holds: its memory steps, the replicas it keeps (of the ranks in
+    ``replicas_of``), the durable steps."""
+    mem = [s for s in committed_steps(memory) if complete(step_dir(memory, s))]
+    reps: dict[int, list[int]] = {}
+    for owner in replicas_of:
+        root = replica.replica_root(memory, owner)
+        held = [s for s in committed_steps(root) if complete(step_dir(root, s))]
+        if held:
+            reps[owner] = held
+    return {"memory": mem, "replicas": reps,
+            "durable": committed_steps(durable) if durable is not None else []}
+
+
+def holder(views: list[dict], owner: int, step: int) -> int | None:
+    """The rank holding a replica of ``owner``'s ``step``, if any."""
+    for rank, v in enumerate(views):
+        if step in v["replicas"].get(owner, ()):
+            return rank
+    return None
+
+
+def pick(views: list[dict], step: int | None) -> int | None:
+    """The newest step (or ``step``) every rank can restore: from its memory tier, a peer's
+    replica of it, or the durable tier."""
+    durable = set(views[0]["durable"])
+    candidates = durable.union(*(v["memory"] for v in views),
+                               *(s for v in views for s in v["replicas"].values()))
+    for s in sorted(candidates, reverse=True):
+        if step is not None and s != step:
+            continue
+        if all(s in v["memory"] or s in durable or holder(views, r, s) is not None
+               for r, v in enumerate(views)):
+            return s
+    return None
+
+
+def newer_than(views: list[dict], step: int) -> list[int]:
+    """Steps newer than ``step`` that some rank holds in some tier."""
+    return sorted({s for v in views for s in (*v["memory"], *v["durable"],
+                                              *(x for r in v["replicas"].values() for x in r))
+                   if s > step})
+
+
+class Restorer:
+    """Restores one rank's state from the tiers: ``memory`` (with the replicas it keeps, if
+    ``replicate``) and ``durable`` (None: none), through the engine ``engine()`` gives."""
+
+    def __init__(self, memory: Path, durable: Path | None, replicate: bool, ranks: Ranks,
+                 engine: Callable[[], Engine]) -> None:
+        self.memory, self.durable, self.replicate = memory, durable, replicate
+        self.ranks, self.engine = ranks, engine
+
+    def views(self) -> list[dict]:
+        """Every rank's view, by rank (collective)."""
+        owners = range(self.ranks.world) if self.replicate else range(0)
+        return self.ranks.gather(view(self.memory, self.durable, owners))
+
+    def fetch(self, views: list[dict], step: int) -> None:
+        """Bring ``step`` back into the memory tiers that lack it from the peers' replicas
+        (collective)."""
+        moves = [(held_by, owner) for owner, v in enumerate(views) if step not in v["memory"]
+                 for held_by in [holder(views, owner, step)] if held_by is not None]
+        if moves and replica.restore(self.ranks.group, self.ranks.rank, moves, self.memory,
+                                     step):
+            source = next(h for h, owner in moves if owner == self.ranks.rank)
+            log.info("dcp_datastates: step %d of rank %d restored into %s from rank %d's "
+                     "replica", step, self.ranks.rank, self.memory, source)
+
+    def load(self, state: dict, step: int) -> None:
+        """Load ``step`` into ``state`` from this rank's memory tier, else the durable tier."""
+        start = time.perf_counter()
+        mine = step_dir(self.memory, step)
+        if complete(mine):
+            try:
+                self._read(state, mine)
+                log.info("dcp_datastates: restored step %d from the memory tier (%s) in %.2f s",
+                         step, mine, time.perf_counter() - start)
+                return
+            except (CheckpointError, OSError) as exc:
+                log.warning("dcp_datastates: memory tier copy of step %d unusable (%s); "
+                            "loading it from the durable tier", step, exc)
+        target = step_dir(self.durable, step) if self.durable is not None else None
+        if target is None or not committed(target):
+            raise CheckpointError(f"step {step} is in no tier of rank {self.ranks.rank}")
+        self._read(state, target)
+        log.info("dcp_datastates: restored step %d from the durable tier (%s) in %.2f s",
+                 step, target, time.perf_counter() - start)
+
+    def _read(self, state: dict, directory: Path) -> None:
+        local_dcp.load(state, directory, DataStatesReader(engine=self.engine()))

@@ -1,0 +1,102 @@
+"""Retention and going back: which steps the tiers keep, and the marks of steps being read.
+
+Each tier keeps its newest ``keep`` committed steps (unfinished ones older than the newest
+committed go too), except memory steps marked as being read (a persist, a replica send): those
+stay until read, and retention runs again after. A dropped memory step's ``.metadata`` goes
+first, then its data file goes back to being a free slot. Going back (``load`` of an older step,
+then training on) sets the newer steps aside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from . import replica
+from .ranks import Ranks
+from .slots import SlotPool
+from .steps import committed_steps, remove_step, step_dir, steps, uncommit
+
+log = logging.getLogger("dcp_datastates")
+
+
+class Retention:
+    """Keeps the tiers of one rank (its memory tier ``memory``, the replicas it holds, the
+    durable tier ``durable``) to their sizes; ``slots``: the memory tier's slot pool, if any."""
+
+    def __init__(self, memory: Path, durable: Path | None, slots: SlotPool | None,
+                 ranks: Ranks) -> None:
+        self.memory, self.durable, self.slots, self.ranks = memory, durable, slots, ranks
+        self._lock = threading.Lock()
+        self._busy: dict[int, int] = {}  # memory steps being read, and by how many
+
+    def memory_roots(self) -> list[Path]:
+        """This rank's memory tier and the replicas it holds of every rank."""
+        return [self.memory, *(replica.replica_root(self.memory, r)
+                               for r in range(self.ranks.world))]
+
+    @contextmanager
+    def reading(self, step: int) -> Iterator[None]:
+        """Marks the memory step ``step`` as being read meanwhile: retention leaves it."""
+        with self._lock:
+            self._busy[step] = self._busy.get(step, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._busy[step] - 1
+                if left:
+                    self._busy[step] = left
+                else:
+                    del self._busy[step]
+
+    def retain(self, root: Path, keep: int | None) -> None:
+        """Drop committed steps beyond the newest ``keep`` and unfinished ones older than the
+        newest committed, except steps being read."""
+        done = committed_steps(root)
+        if keep is None or not done:
+            return
+        with self._lock:
+            busy = set(self._busy) if root == self.memory else set()
+        newest = done[-1]
+        drop = [s for s in steps(root) if s not in busy and (
+            s in done[:-keep] or (s < newest and s not in done))]
+        for s in drop:
+            self.drop(root, s)
+
+    def drop(self, root: Path, step: int) -> None:
+        """Remove ``step`` from the tier ``root``; from this rank's memory tier only if it is
+        not being read, and its data file goes back to being a free slot."""
+        directory = step_dir(root, step)
+        if root == self.memory:
+            with self._lock:  # a step marked as being read meanwhile stays committed
+                if step in self._busy:
+                    return
+                uncommit(directory)
+            if self.slots is not None:  # uncommitted: its data file may be a free slot
+                self.slots.reclaim(directory)
+        remove_step(directory)
+
+    def set_aside(self, after: int) -> None:
+        """Training went on from ``after`` (``load`` of an older step): the steps newer than it
+        belong to the run that was left. They leave the memory tiers, and the durable ones move
+        to ``durable_dir/.abandoned/<time>/`` (kept, no longer taken for checkpoints of this
+        run), so a later step of the same number is saved and persisted anew. Collective."""
+        for root in self.memory_roots():
+            for s in steps(root):
+                if s > after:
+                    self.drop(root, s)
+        newer = [s for s in steps(self.durable) if s > after] if self.durable else []
+        if newer and self.ranks.rank == 0:
+            aside = self.durable / ".abandoned" / time.strftime("%Y%m%dT%H%M%S")
+            aside.mkdir(parents=True, exist_ok=True)
+            for s in newer:
+                os.rename(step_dir(self.durable, s), aside / step_dir(self.durable, s).name)
+            log.warning("dcp_datastates: training went on from step %d: the newer durable "
+                        "steps %s were moved to %s", after, newer, aside)
+        self.ranks.barrier()  # no rank persists into a step being moved
