@@ -19,6 +19,13 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from dcp_datastates import DataStatesWriter, Engine, cli
+from dcp_datastates.cli.checkpoint import load_checkpoint
+from dcp_datastates.cli.headers import check_file
+from dcp_datastates.cli.inspect import inspect_data
+from dcp_datastates.cli.output import OutputDir
+from dcp_datastates.cli.progress import Progress
+from dcp_datastates.cli.reads import chunk_reads
+from dcp_datastates.cli.verify import ChunkCheck
 from dcp_datastates.metadata_file import read_metadata, write_metadata
 
 pytestmark = [
@@ -442,7 +449,7 @@ def _rank_save(rank: int, store_path: str, ckpt: str) -> None:
 def test_export_stitches_sharded_dtensors(tmp_path: Path) -> None:
     ckpt = tmp_path / "sharded"
     mp.spawn(_rank_save, args=(str(tmp_path / "store"), str(ckpt)), nprocs=2, join=True)
-    data = cli._inspect_data(ckpt)
+    data = inspect_data(ckpt)
     items = {i["fqn"]: i for i in data["items"]}
     assert items["model.rows"]["chunks"] == 2 and items["model.cols"]["chunks"] == 2
     assert items["model.rows"]["shape"] == [5, 3] and len(data["files"]) == 2
@@ -473,3 +480,121 @@ def test_help_subprocess() -> None:
 def test_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _main(capsys, "inspect", str(tmp_path))
     assert code == 1 and ".metadata is missing" in err
+
+
+# -- reading through the load job ---------------------------------------------------------------
+def _flip(directory: Path, fqn: str, at: int) -> None:
+    """Flip one bit of item ``fqn``'s byte ``at`` in its data file."""
+    loc = next(v for k, v in read_metadata(directory).storage_data.items() if k.fqn == fqn)
+    f = directory / loc.file
+    raw = bytearray(f.read_bytes())
+    raw[loc.offset + at] ^= 0x01
+    f.write_bytes(raw)
+
+
+def _many() -> dict[str, torch.Tensor]:
+    return {f"t{i:02d}": torch.full((16,), float(i)) for i in range(40)} | {
+        "big": torch.arange(300 * 257, dtype=torch.float32).view(300, 257)}
+
+
+def test_verify_names_every_damaged_item(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """One run names each damaged item (not only the first), and no intact one."""
+    directory = _save(_many(), tmp_path / "ckpt")
+    for fqn, at in (("t03", 4), ("t31", 60), ("big", 200 * 257 * 4)):
+        _flip(directory, fqn, at)
+    code, _, err = _main(capsys, "verify", "-q", str(directory))
+    assert code == 1
+    assert "3 problem(s)" in err, err
+    for fqn in ("t03", "t31", "big"):
+        assert f"item {fqn!r}: checksum mismatch" in err
+    assert "'t04'" not in err and "'t30'" not in err
+
+
+def test_verify_reads_large_chunks_in_bounded_pieces(tmp_path: Path) -> None:
+    """Batches and pieces far smaller than the checkpoint: every byte is still counted, and
+    the damaged item is found among the pieces."""
+    directory = _save(_many(), tmp_path / "ckpt")
+    _flip(directory, "big", 250 * 257 * 4)
+    md, chunks = load_checkpoint(directory)
+    (name,) = {c.loc.file for cs in chunks.values() for c in cs}
+    everything = [c for cs in chunks.values() for c in cs]
+    total = sum(c.loc.length for c in everything)
+    found = check_file(directory, md, name, everything)
+    assert found.problems == [] and len(found.readable) == len(everything)
+    progress = Progress(total, "verifying", enabled=False)
+    with Engine(host_cache_size="16MiB", io_backend="threads") as engine:
+        check = ChunkCheck(engine, directory, md, progress, batch_bytes=64 << 10,
+                           piece_bytes=16 << 10)
+        problems = check.problems(found.readable)
+    assert len(problems) == 1 and "item 'big': checksum mismatch" in problems[0]
+    assert progress.done == total
+
+
+@pytest.mark.parametrize(("block", "rows"), [(400, 20), (1024, 25)])
+def test_chunk_reads_cut_whole_rows_on_block_ends(block: int, rows: int) -> None:
+    """A (100, 10) float32 chunk in pieces of at most 1000 bytes: whole rows, on checksum
+    block ends where the rows allow (40-byte rows make 400-byte blocks, not 1024-byte ones)."""
+    index = MetadataIndex("w", [100, 0])
+    reads = chunk_reads(index, (100, 10), 4, block, MetadataIndex("w", [0, 0]), [100, 0],
+                        piece_bytes=1000)
+    assert [r.storage_offsets[0] for r in reads] == list(range(0, 100, rows))
+    assert sum(r.lengths[0] for r in reads) == 100
+    assert all(r.lengths[1] == 10 and r.storage_offsets[1] == 0 for r in reads)
+    assert [r.dest_offsets[0] - 100 for r in reads] == [r.storage_offsets[0] for r in reads]
+    assert all(r.storage_index == index for r in reads)
+
+
+def test_export_refuses_a_damaged_chunk(ckpt: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Export reads with checksums: a damaged chunk is refused, naming file and item, and
+    nothing is left in the output directory; --no-verify exports it as stored."""
+    bad = _copy(ckpt, tmp_path / "bad")
+    _flip(bad, "model.w", 100)
+    out = tmp_path / "hf"
+    code, _, err = _main(capsys, "export", "-q", str(bad), str(out), "--prefix", "model.")
+    assert code == 1
+    name = _data_file(bad).name
+    assert f"file {name}, item 'model.w': checksum mismatch" in err, err
+    assert list(out.iterdir()) == []
+    code, _, err = _main(capsys, "export", "-q", "--no-verify", str(bad), str(out),
+                         "--prefix", "model.")
+    assert code == 0, err
+    assert not torch.equal(load_file(out / "model.safetensors")["w"], _state()["model"]["w"])
+
+
+def test_export_writes_through_temporary_names(ckpt: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A file at the output name is replaced by a rename, never written in place: a hard
+    link to it elsewhere keeps its bytes, and no temporary file is left."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (tmp_path / "mine").write_bytes(b"keep me")
+    os.link(tmp_path / "mine", out / "model.safetensors")
+    code, _, err = _main(capsys, "export", "-q", str(ckpt), str(out), "--prefix", "model.")
+    assert code == 0, err
+    assert (tmp_path / "mine").read_bytes() == b"keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    _assert_exported([out / "model.safetensors"], _state()["model"])
+
+
+def test_output_dir_syncs_each_file_before_its_rename_then_the_directories(
+    tmp_path: Path,
+) -> None:
+    synced: list[str] = []
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        os.fsync(fd)
+
+    out = OutputDir(tmp_path / "a" / "b", fsync=fsync)
+    out.create()
+    out.write("x.safetensors", [b"12", memoryview(b"34")])
+    out.write("y.json", [b"{}"])
+    out.sync()
+    tmp_x, tmp_y, *dirs = synced
+    assert Path(tmp_x).name.startswith(".x.safetensors.") and tmp_x.endswith(".tmp")
+    assert Path(tmp_y).name.startswith(".y.json.") and Path(tmp_y).parent == out.path
+    assert dirs == [str(out.path), str(tmp_path / "a"), str(tmp_path)]
+    assert (out.path / "x.safetensors").read_bytes() == b"1234"
+    assert sorted(p.name for p in out.path.iterdir()) == ["x.safetensors", "y.json"]

@@ -1,0 +1,40 @@
+"""What the commands share about their arguments: paths, the subcommand scaffold, the engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..engine import Engine
+
+
+def cli_path(arg: str) -> Path:
+    """A path argument, ``~`` expanded (quoted, a shell leaves it to us)."""
+    return Path(os.path.expanduser(arg))
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, summary: str,
+                description: str) -> argparse.ArgumentParser:
+    """A subcommand that takes a checkpoint directory (``PATH``)."""
+    p = sub.add_parser(name, help=summary, description=description)
+    p.add_argument("path", metavar="PATH", help="checkpoint directory (holds .metadata)")
+    return p
+
+
+def add_quiet(p: argparse.ArgumentParser) -> None:
+    """``-q``/``--quiet``: no progress bar."""
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+@contextmanager
+def command_engine(args: argparse.Namespace) -> Iterator[Engine]:
+    """The engine ``main`` was given (``args.engine``), else one of the command's own, closed
+    when the command ends."""
+    if args.engine is not None:
+        yield args.engine
+        return
+    with Engine() as engine:
+        yield engine

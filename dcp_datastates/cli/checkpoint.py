@@ -1,0 +1,109 @@
+"""A checkpoint as the commands see it: ``.metadata``, its stored chunks by item, whether
+each tensor's chunks tile it, and whether a data file is usable."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from ..file_format import ItemSpec
+from ..jobs.load import check_locations, stored_spec
+from ..metadata_file import ItemLocation, open_regular, read_metadata
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of an item: its DCP index and its location."""
+
+    index: MetadataIndex
+    loc: ItemLocation
+
+    @property
+    def fqn(self) -> str:
+        return self.index.fqn
+
+    @property
+    def offsets(self) -> tuple[int, ...] | None:
+        """The chunk's offsets in the full tensor (None for bytes items)."""
+        return None if self.index.offset is None else tuple(self.index.offset)
+
+
+def load_checkpoint(path: Path) -> tuple[Metadata, dict[str, list[Chunk]]]:
+    """The checkpoint's metadata (its locations checked) and its stored chunks by fqn."""
+    md = read_metadata(path)
+    check_locations(path, md)
+    chunks: dict[str, list[Chunk]] = defaultdict(list)
+    for index, loc in md.storage_data.items():
+        chunks[index.fqn].append(Chunk(index, loc))
+    return md, chunks
+
+
+def where(c: Chunk) -> str:
+    """"file F, item 'fqn' (chunk at [..])": how the commands name a stored chunk."""
+    at = "" if c.offsets is None else f" (chunk at {list(c.offsets)})"
+    return f"file {c.loc.file}, item {c.fqn!r}{at}"
+
+
+def chunk_spec(path: Path, md: Metadata, c: Chunk) -> ItemSpec:
+    """The chunk as ``.metadata`` describes it (raises where ``.metadata`` contradicts itself)."""
+    tensor = isinstance(md.state_dict_metadata.get(c.fqn), TensorStorageMetadata)
+    return stored_spec(md, c.index, c.loc, tensor, f"{path}: {where(c)}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def file_size(f: Path) -> tuple[int | None, str | None]:
+    """(size, None) of a usable data file, else (None, what is wrong with it)."""
+    try:
+        fd = open_regular(f)
+    except OSError as exc:
+        return None, exc.strerror
+    try:
+        return os.fstat(fd).st_size, None
+    finally:
+        os.close(fd)
+
+
+def tiling_problem(tmd: TensorStorageMetadata) -> str | None:
+    """How a tensor's chunks in ``.metadata`` fail to tile its global shape (a DCP save's
+    always do): one lying outside it, two overlapping, or a part no chunk covers."""
+    size = tuple(tmd.size)
+    boxes = []
+    for c in tmd.chunks:
+        off, n = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(size) or len(n) != len(size) or any(
+                o < 0 or k < 0 or o + k > d for o, k, d in zip(off, n, size, strict=True)):
+            return (f"chunk at {list(off)} of shape {list(n)} lies outside the tensor's shape "
+                    f"{list(size)}")
+        boxes.append((off, n))
+    boxes.sort()
+    for i, (o, n) in enumerate(boxes):
+        for o2, n2 in boxes[i + 1:]:
+            if size and o2[0] >= o[0] + n[0]:
+                break  # sorted: no later chunk reaches back into this one
+            if math.prod(n) and math.prod(n2) and all(
+                    a < b + m and b < a + k for a, k, b, m in zip(o, n, o2, n2, strict=True)):
+                return f"chunks at {list(o)} and {list(o2)} overlap"
+    covered, numel = sum(math.prod(n) for _, n in boxes), math.prod(size)
+    if covered != numel:
+        return f"chunks cover {covered} of its {numel} elements"
+    return None
+
+
+def tiling_problems(path: Path, md: Metadata, fqns: Iterable[str]) -> list[str]:
+    """``tiling_problem`` of each tensor of ``fqns``, as "<path>: item '<fqn>': <why>"."""
+    problems = []
+    for fqn in fqns:
+        tmd = md.state_dict_metadata.get(fqn)
+        if isinstance(tmd, TensorStorageMetadata) and (why := tiling_problem(tmd)) is not None:
+            problems.append(f"{path}: item {fqn!r}: {why}")
+    return problems

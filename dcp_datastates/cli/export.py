@@ -1,0 +1,203 @@
+"""``export``: full tensors, stitched from their stored chunks by the load job, written as
+Hugging Face-style safetensors file(s), durably."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ..checksums import memory_at
+from ..engine import Engine
+from ..errors import CheckpointCorruptError
+from ..file_format import SAFETENSORS_DTYPES, ItemSpec, export_header
+from ..sizes import format_size, parse_size
+from .arguments import add_command, add_quiet, cli_path, command_engine
+from .checkpoint import Chunk, dtype_name, file_size, load_checkpoint, tiling_problems, where
+from .output import OutputDir, inside
+from .progress import Progress
+from .reads import BATCH_BYTES, Planner, batches, chunk_reads, read
+
+#: What an export writes: a previous export's files of these names, not written again, go.
+EXPORT_NAMES = re.compile(
+    r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass
+class _Source:
+    """What an export reads: the checkpoint, the tensors chosen (out name -> fqn and spec)."""
+
+    engine: Engine
+    path: Path
+    md: Metadata
+    fqns: dict[str, str]
+    specs: dict[str, ItemSpec]
+    verify: bool
+    progress: Progress
+
+
+def _read_tensors(src: _Source, names: list[str]) -> dict[str, torch.Tensor]:
+    """The full tensors ``names``, every stored chunk read into place by one load job."""
+    full: dict[str, torch.Tensor] = {}
+    reads: list[ReadItem] = []
+    for fqn in (src.fqns[name] for name in names):
+        tmd = src.md.state_dict_metadata[fqn]
+        full[fqn] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
+        reads += _tensor_reads(src.md, fqn, tmd)
+    planner = Planner(lambda item: _narrow(full[item.dest_index.fqn], item), src.progress)
+    read(src.engine, src.path, src.md, reads, planner, src.verify)
+    return {name: full[src.fqns[name]] for name in names}
+
+
+def _tensor_reads(md: Metadata, fqn: str, tmd: TensorStorageMetadata) -> list[ReadItem]:
+    """Read items of each stored chunk of tensor ``fqn``, for a target of its full shape."""
+    whole = MetadataIndex(fqn, [0] * len(tmd.size))
+    reads = []
+    for chunk in tmd.chunks:
+        index = MetadataIndex(fqn, chunk.offsets)
+        loc = md.storage_data.get(index)  # none: the load job names it
+        reads += chunk_reads(index, chunk.sizes, tmd.properties.dtype.itemsize,
+                             1 if loc is None else loc.block, whole, chunk.offsets)
+    return reads
+
+
+def _narrow(t: torch.Tensor, item: ReadItem) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
+        t = t.narrow(dim, o, n)
+    return t
+
+
+def _shard_bytes(src: _Source, shard: list[str]) -> Iterator[bytes | memoryview]:
+    """A file's header, then each full tensor, largest elements first (all aligned); tensors
+    read a batch at a time."""
+    order = sorted((src.specs[n] for n in shard), key=lambda s: (-s.dtype.itemsize, s.name))
+    yield export_header(order, {"format": "pt"})
+    for batch in batches(((s.name, s.nbytes) for s in order), BATCH_BYTES):
+        tensors = _read_tensors(src, batch)
+        for name in batch:
+            nbytes = src.specs[name].nbytes
+            yield memory_at(tensors[name].data_ptr(), nbytes) if nbytes else b""
+        del tensors  # before the next batch is read
+
+
+def _select(md: Metadata, prefix: str) -> dict[str, str]:
+    """The tensors to export (out name -> fqn); notes on stderr for what is skipped."""
+    selected: dict[str, str] = {}
+    skipped_bytes, skipped_dtype = [], []
+    for fqn, smd in sorted(md.state_dict_metadata.items()):
+        if not fqn.startswith(prefix):
+            continue
+        if not isinstance(smd, TensorStorageMetadata):
+            skipped_bytes.append(fqn)
+        elif smd.properties.dtype not in SAFETENSORS_DTYPES:
+            skipped_dtype.append(f"{fqn} ({dtype_name(smd.properties.dtype)})")
+        else:
+            selected[fqn[len(prefix):]] = fqn
+    if skipped_bytes:
+        print(f"note: skipped {len(skipped_bytes)} non-tensor item(s): "
+              f"{', '.join(skipped_bytes)}", file=sys.stderr)
+    if skipped_dtype:
+        print(f"warning: skipped {len(skipped_dtype)} tensor(s) with dtypes safetensors cannot "
+              f"hold: {', '.join(skipped_dtype)}", file=sys.stderr)
+    return selected
+
+
+def _check_data_files(path: Path, chunks: list[Chunk]) -> None:
+    """Refuse, naming a chunk there, a data file that is missing or not a regular file."""
+    seen: set[str] = set()
+    for c in chunks:
+        if c.loc.file not in seen:
+            seen.add(c.loc.file)
+            _, problem = file_size(path / c.loc.file)
+            if problem is not None:
+                raise CheckpointCorruptError(f"{path}: {where(c)}: the data file {problem}")
+
+
+def _specs(md: Metadata, fqns: dict[str, str]) -> dict[str, ItemSpec]:
+    """Each exported tensor as its output file holds it."""
+    specs = {}
+    for name, fqn in fqns.items():
+        t = md.state_dict_metadata[fqn]
+        dtype = t.properties.dtype
+        specs[name] = ItemSpec(name, dtype, tuple(t.size), math.prod(t.size) * dtype.itemsize)
+    return specs
+
+
+def _write(src: _Source, out: OutputDir, max_bytes: int) -> list[str]:
+    """Write the shard file(s), and the index where there are several; return their names."""
+    shards = batches(((name, spec.nbytes) for name, spec in src.specs.items()), max_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    for file, shard in zip(names, shards, strict=True):
+        out.write(file, _shard_bytes(src, shard))
+    if len(shards) > 1:
+        total = sum(spec.nbytes for spec in src.specs.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for f, s in zip(names, shards, strict=True) for n in s}}
+        out.write(INDEX_NAME, [(json.dumps(index, indent=2) + "\n").encode()])
+    return names
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write full tensors as Hugging Face-style safetensors file(s)."""
+    path, out = cli_path(args.path), OutputDir(cli_path(args.out))
+    max_bytes = parse_size(args.max_shard_size, name="--max-shard-size")
+    if inside(out.path, path):
+        print(f"error: output directory {out.path} is inside the checkpoint directory {path}: "
+              f"export elsewhere", file=sys.stderr)
+        return 1
+    md, chunks = load_checkpoint(path)
+    fqns = _select(md, args.prefix)
+    if not fqns:
+        print(f"error: {path}: no tensors to export", file=sys.stderr)
+        return 1
+    if problems := tiling_problems(path, md, fqns.values()):
+        raise CheckpointCorruptError("\n  ".join(problems))
+    _check_data_files(path, [c for fqn in fqns.values() for c in chunks.get(fqn, [])])
+    specs = _specs(md, fqns)
+    total = sum(spec.nbytes for spec in specs.values())
+    out.create()
+    progress = Progress(total, "exporting", not args.quiet)
+    try:
+        with command_engine(args) as engine:
+            src = _Source(engine, path, md, fqns, specs, not args.no_verify, progress)
+            names = _write(src, out, max_bytes)
+    finally:
+        progress.close()
+    if stale := out.remove_stale(EXPORT_NAMES):
+        print(f"note: removed {len(stale)} file(s) of an earlier export from {out.path}: "
+              f"{', '.join(stale)}", file=sys.stderr)
+    out.sync()
+    print(f"exported {len(fqns)} tensors, {total} bytes ({format_size(total)}) to {out.path} "
+          f"in {len(names)} file(s): {', '.join(names)}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``export``."""
+    p = add_command(
+        sub, "export", "write full tensors as Hugging Face-style safetensors",
+        "Export a checkpoint to consolidated safetensors: every tensor is stitched from its "
+        "stored chunks into its full global shape. Writes model.safetensors, or, above "
+        "--max-shard-size, model-0000i-of-0000N.safetensors files plus "
+        "model.safetensors.index.json. Non-tensor items and dtypes safetensors cannot hold "
+        "are skipped with a note.")
+    p.add_argument("out", metavar="OUT", help="output directory (created if needed)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest output file, e.g. 5GB, 500MiB, bytes (default: 5GB)")
+    p.add_argument("--prefix", default="",
+                   help="export only keys starting with this prefix, with it stripped "
+                        "(e.g. 'model.')")
+    p.add_argument("--no-verify", action="store_true", help="skip checksum checks while reading")
+    add_quiet(p)
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,84 @@
+"""``persist``: a step that a job committed in its memory tiers (and did not persist)
+copied into the durable tier, as the next manager on those directories would."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..sizes import format_size
+from ..tiers.offline import persist_job
+from .arguments import cli_path, command_engine
+
+DESCRIPTION = """\
+Persist a checkpoint that CheckpointManager committed into memory tiers but did
+not persist (the process died, or persist=None) to the durable tier, as the next
+manager on the same directories would: every rank's part is copied to
+DURABLE_DIR/step_<N> (step-<N> in a torchtitan folder set up by the adapter)
+and their metadata merged into one .metadata, committed last. Without --step:
+the newest step complete in the memory tiers given, if it is newer than every
+step committed in DURABLE_DIR.
+
+MEMORY_DIR is one rank's memory tier (holding step_<N> directories, e.g.
+/dev/shm/dcp_datastates/<hash>/rank_0) or a job's memory root holding rank_<r>
+tiers (/dev/shm/dcp_datastates/<hash>); give several to name the tiers of every
+rank. A rank's part comes from its own tier, else from a peer's replica of it
+(replicate=True), else from a part already in DURABLE_DIR/step_<N>. With the
+ranks spread over several nodes and no replicas, run it on each node with
+--step N --partial: each writes its ranks' parts, the last commits the step.
+
+Everything is checked before anything is written. Run it when no job is using
+these directories. Exits 0 when the step is persisted or nothing was needed,
+1 (naming the path) for a missing directory, a step not committed, a rank
+missing or damaged."""
+
+
+def _step(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
+    return step
+
+
+def cmd_persist(args: argparse.Namespace) -> int:
+    """Persist a step committed in memory tiers (a job that died) into the durable tier."""
+    memory = [cli_path(m) for m in args.memory]
+    with command_engine(args) as engine:
+        outcome = persist_job(engine, memory, cli_path(args.durable), args.step,
+                              partial=args.partial)
+    for note in outcome.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if not outcome.written:
+        print(f"nothing to persist: {outcome.reason}")
+        return 0
+    ranks = sorted(src.rank for src in outcome.written)
+    what = (f"step {outcome.step} ({len(ranks)} of {outcome.world_size} rank(s), "
+            f"{format_size(outcome.bytes)}) in {outcome.seconds:.2f} s")
+    if outcome.committed:
+        print(f"persisted {what} to {outcome.target}; it is committed")
+        return 0
+    print(f"wrote the part(s) of rank(s) {', '.join(map(str, ranks))} of {what} to "
+          f"{outcome.target}; it is committed once rank(s) "
+          f"{', '.join(map(str, outcome.missing))} add theirs (run this command with --step "
+          f"{outcome.step} --partial where their memory tiers are)")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``persist``."""
+    p = sub.add_parser("persist", help="persist a step that a job left in its memory tiers",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=DESCRIPTION)
+    p.add_argument("memory", nargs="+", metavar="MEMORY_DIR",
+                   help="a rank's memory tier, or a job's memory root of rank_<r> tiers")
+    p.add_argument("durable", metavar="DURABLE_DIR",
+                   help="the durable tier (CheckpointManager's durable_dir; created if its "
+                        "parent exists)")
+    p.add_argument("--step", type=_step, default=None,
+                   help="the step to persist (default: the newest complete one)")
+    p.add_argument("--partial", action="store_true",
+                   help="write the parts found even if other ranks' are missing (needs --step)")
+    p.set_defaults(func=cmd_persist)
