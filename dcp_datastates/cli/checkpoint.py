@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from ..directory import open_regular
+from ..entries import check_locations, stored_spec
 from ..file_format import ItemSpec
-from ..jobs.load import check_locations, stored_spec
-from ..metadata_file import ItemLocation, open_regular, read_metadata
+from ..metadata_file import ItemLocation, read_metadata
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..directory import open_regular
+from ..entries import entry_name
 from ..errors import CheckpointCorruptError
 from ..file_format import (
     PAD_PREFIX,
@@ -19,8 +21,6 @@ from ..file_format import (
     layout_mismatch,
     read_file_header,
 )
-from ..jobs.save import entry_name
-from ..metadata_file import open_regular
 from .checkpoint import Chunk, chunk_spec, where
 
 
