@@ -17,6 +17,7 @@ import os
 import re
 import stat
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -153,3 +154,20 @@ def open_regular(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def write_new(tmp: Path, dest: Path, parts: Iterable[bytes | memoryview],
+              fsync: Callable[[int], None] = os.fsync) -> None:
+    """Write ``parts`` into the new file ``tmp`` (never through a link), fsync it, then rename
+    it to ``dest``: no half-written file ever has that name. The caller fsyncs the directory."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with open(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

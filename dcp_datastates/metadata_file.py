@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .directory import fsync_dir, open_regular
+from .directory import fsync_dir, open_regular, write_new
 from .errors import CheckpointCorruptError, CheckpointError
 
 METADATA_NAME = ".metadata"
@@ -133,15 +133,7 @@ def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
     data = pickle.dumps(_Sealed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
     final = directory / METADATA_NAME
     tmp = directory / f"{METADATA_NAME}.tmp.{token}"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_new(tmp, final, [data])
     fsync_dir(directory)
 
 

@@ -511,9 +511,9 @@ def test_verify_names_every_damaged_item(tmp_path: Path,
     assert "'t04'" not in err and "'t30'" not in err
 
 
-def test_verify_reads_large_chunks_in_bounded_pieces(tmp_path: Path) -> None:
-    """Batches and pieces far smaller than the checkpoint: every byte is still counted, and
-    the damaged item is found among the pieces."""
+def test_verify_reads_large_chunks_in_bounded_slices(tmp_path: Path) -> None:
+    """Batches and slices far smaller than the checkpoint: every byte is still counted, and
+    the damaged item is found among the slices."""
     directory = _save(_many(), tmp_path / "ckpt")
     _flip(directory, "big", 250 * 257 * 4)
     md, chunks = load_checkpoint(directory)
@@ -525,7 +525,7 @@ def test_verify_reads_large_chunks_in_bounded_pieces(tmp_path: Path) -> None:
     progress = Progress(total, "verifying", enabled=False)
     with Engine(host_cache_size="16MiB", io_backend="threads") as engine:
         check = ChunkCheck(engine, directory, md, progress, batch_bytes=64 << 10,
-                           piece_bytes=16 << 10)
+                           slice_bytes=16 << 10)
         problems = check.problems(found.readable)
     assert len(problems) == 1 and "item 'big': checksum mismatch" in problems[0]
     assert progress.done == total
@@ -533,11 +533,11 @@ def test_verify_reads_large_chunks_in_bounded_pieces(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("block", "rows"), [(400, 20), (1024, 25)])
 def test_chunk_reads_cut_whole_rows_on_block_ends(block: int, rows: int) -> None:
-    """A (100, 10) float32 chunk in pieces of at most 1000 bytes: whole rows, on checksum
+    """A (100, 10) float32 chunk in slices of at most 1000 bytes: whole rows, on checksum
     block ends where the rows allow (40-byte rows make 400-byte blocks, not 1024-byte ones)."""
     index = MetadataIndex("w", [100, 0])
     reads = chunk_reads(index, (100, 10), 4, block, MetadataIndex("w", [0, 0]), [100, 0],
-                        piece_bytes=1000)
+                        slice_bytes=1000)
     assert [r.storage_offsets[0] for r in reads] == list(range(0, 100, rows))
     assert sum(r.lengths[0] for r in reads) == 100
     assert all(r.lengths[1] == 10 and r.storage_offsets[1] == 0 for r in reads)

@@ -21,7 +21,7 @@ from ..metadata_file import ItemLocation, read_metadata
 
 @dataclass(frozen=True)
 class Chunk:
-    """One stored piece of an item: its DCP index and its location."""
+    """One stored chunk of an item: its DCP index and its location."""
 
     index: MetadataIndex
     loc: ItemLocation

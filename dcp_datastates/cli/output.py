@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..directory import new_token
+from ..directory import new_token, write_new
 
 
 class OutputDir:
@@ -32,18 +32,7 @@ class OutputDir:
         through, and no half-written file ever has the name."""
         dest = self.path / name
         tmp = dest.with_name(f".{name}.{new_token()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o666)
-        try:
-            with open(fd, "wb") as f:
-                for part in parts:
-                    f.write(part)
-                f.flush()
-                self._fsync(f.fileno())
-            os.replace(tmp, dest)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_new(tmp, dest, parts, self._fsync)
         self.written.append(name)
 
     def remove_stale(self, names: re.Pattern[str]) -> list[str]:

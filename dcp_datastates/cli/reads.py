@@ -19,8 +19,8 @@ from ..engine import Engine
 from ..jobs.load import LoadJob
 from .progress import Progress
 
-#: The most bytes one read item asks for (a chunk larger than this is read in row pieces).
-PIECE_BYTES = 64 << 20
+#: The most bytes one read item asks for (a chunk larger than this is read in row slices).
+SLICE_BYTES = 64 << 20
 #: The most bytes one load job reads for a command (at least one item or tensor).
 BATCH_BYTES = 128 << 20
 
@@ -29,15 +29,15 @@ T = TypeVar("T")
 
 def chunk_reads(index: MetadataIndex, shape: Sequence[int], itemsize: int, block: int,
                 dest_index: MetadataIndex, dest_offsets: Sequence[int],
-                piece_bytes: int = PIECE_BYTES) -> list[ReadItem]:
+                slice_bytes: int = SLICE_BYTES) -> list[ReadItem]:
     """Read items that read the stored tensor chunk ``index`` (of ``shape``) whole into a
-    target ``dest_index`` that holds it at ``dest_offsets``, as DCP makes them: in pieces of
-    whole rows of at most ``piece_bytes`` (one row at least), cut where a checksum ``block``
+    target ``dest_index`` that holds it at ``dest_offsets``, as DCP makes them: in slices of
+    whole rows of at most ``slice_bytes`` (one row at least), cut where a checksum ``block``
     ends if the rows allow it, so that no block is read twice."""
     shape = list(shape)
     if not shape:
         return [_tensor_read(index, dest_index, [], [], [])]
-    rows = _piece_rows(shape, math.prod(shape[1:]) * itemsize, block, piece_bytes)
+    rows = _slice_rows(shape, math.prod(shape[1:]) * itemsize, block, slice_bytes)
     rest = [0] * (len(shape) - 1)
     reads = []
     for r0 in range(0, max(shape[0], 1), rows):
@@ -47,15 +47,15 @@ def chunk_reads(index: MetadataIndex, shape: Sequence[int], itemsize: int, block
     return reads
 
 
-def _piece_rows(shape: list[int], row: int, block: int, piece_bytes: int) -> int:
-    """Rows per piece: all of them if they fit; else a multiple of the rows that make whole
+def _slice_rows(shape: list[int], row: int, block: int, slice_bytes: int) -> int:
+    """Rows per slice: all of them if they fit; else a multiple of the rows that make whole
     blocks, if one fits; else as many as fit."""
-    if row == 0 or shape[0] * row <= piece_bytes:
+    if row == 0 or shape[0] * row <= slice_bytes:
         return max(shape[0], 1)
     unit = math.lcm(row, block) // row
-    if unit * row <= piece_bytes:
-        return piece_bytes // (unit * row) * unit
-    return max(1, piece_bytes // row)
+    if unit * row <= slice_bytes:
+        return slice_bytes // (unit * row) * unit
+    return max(1, slice_bytes // row)
 
 
 def _tensor_read(index: MetadataIndex, dest_index: MetadataIndex, dest_offsets: list[int],

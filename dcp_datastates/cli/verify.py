@@ -23,7 +23,7 @@ from .arguments import add_command, add_quiet, cli_path, command_engine
 from .checkpoint import Chunk, load_checkpoint, tiling_problems
 from .headers import check_file
 from .progress import Progress
-from .reads import BATCH_BYTES, PIECE_BYTES, Planner, batches, bytes_read, chunk_reads, read
+from .reads import BATCH_BYTES, SLICE_BYTES, Planner, batches, bytes_read, chunk_reads, read
 
 #: Targets start this aligned in the scratch buffer (any dtype can view them).
 _ALIGN = 64
@@ -50,9 +50,9 @@ class ChunkCheck:
     """
 
     def __init__(self, engine: Engine, path: Path, md: Metadata, progress: Progress,
-                 batch_bytes: int = BATCH_BYTES, piece_bytes: int = PIECE_BYTES) -> None:
+                 batch_bytes: int = BATCH_BYTES, slice_bytes: int = SLICE_BYTES) -> None:
         self.engine, self.path, self.md, self.progress = engine, path, md, progress
-        self.batch_bytes, self.piece_bytes = batch_bytes, piece_bytes
+        self.batch_bytes, self.slice_bytes = batch_bytes, slice_bytes
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def problems(self, chunks: list[tuple[Chunk, ItemSpec]]) -> list[str]:
@@ -71,7 +71,7 @@ class ChunkCheck:
             return [_Read(bytes_read(c.index), spec.nbytes, None, label)]
         size = spec.dtype.itemsize
         items = chunk_reads(c.index, spec.shape, size, c.loc.block, c.index,
-                            [0] * len(spec.shape), self.piece_bytes)
+                            [0] * len(spec.shape), self.slice_bytes)
         return [_Read(item, math.prod(item.lengths) * size, spec.dtype, label) for item in items]
 
     def _check(self, batch: list[_Read]) -> list[tuple[_Read, str]]:
