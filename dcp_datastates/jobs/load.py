@@ -43,6 +43,8 @@ SMALL_ITEM_BYTES = 1 << 20
 GROUP_BYTES, GROUP_GAP = 16 << 20, 64 << 10
 
 _Read = tuple[ReadItem, "torch.Tensor | None", "bytes | None"]
+#: A large item's read that failed and went to ``LoadJob.damaged``.
+_DAMAGED = object()
 
 
 @dataclass
@@ -56,16 +58,22 @@ class _Small:
 
 
 class LoadJob:
-    """Reads one plan of one load. Made per ``read_data`` by the reader."""
+    """Reads one plan of one load. Made per ``read_data`` by the reader.
+
+    ``damaged``: where given, an item whose read or checksum fails is put there (with its
+    error) and the other items are read on, instead of the load failing at the first one.
+    """
 
     def __init__(self, engine: Engine, directory: Path, metadata: Metadata,
-                 verify_checksums: bool, direct_io: bool, stamp: tuple | None = None) -> None:
+                 verify_checksums: bool, direct_io: bool, stamp: tuple | None = None,
+                 damaged: list[tuple[ReadItem, CheckpointCorruptError]] | None = None) -> None:
         self.engine = engine
         self.directory = directory
         self.metadata = metadata
         self.verify_checksums = verify_checksums
         self.direct_io = direct_io
         self.stamp = stamp  # the .metadata read (metadata_stamp), to tell a replaced one
+        self.damaged = damaged
         self.stats = LoadStats(engine.io.name, verified=verify_checksums)
         self._over = threading.Event()  # the reads are over (the engine's close waits)
 
@@ -126,12 +134,24 @@ class LoadJob:
             for name, items in small.items():
                 for group in _groups(items, min(GROUP_BYTES, bounce)):
                     groups.append(self.engine.submit(self._read_group, files.get(name), group))
-            done = [(req, target, f.result()) for req, target, f in large]  # data: bytes items
+            done = [(req, target, data) for req, target, f in large  # data: bytes items
+                    if (data := self._result(req, f)) is not _DAMAGED]
             return done + [r for g in groups for r in g.result()]
         finally:
             for f in [*(f for *_, f in large), *groups]:
                 f.exception()  # nothing may still read into memory once this returns
             files.close()
+
+    def _result(self, req: ReadItem, future: Future) -> object:
+        """A large item's read's result; ``_DAMAGED`` where it failed and is put in
+        ``damaged``."""
+        try:
+            return future.result()
+        except CheckpointCorruptError as exc:
+            if self.damaged is None:
+                raise
+            self.damaged.append((req, exc))
+            return _DAMAGED
 
     def _read_group(self, f: _File, items: list[_Small]) -> list[_Read]:
         """Read the items' bytes in one request, verify each, copy each into its target."""
@@ -142,15 +162,25 @@ class LoadJob:
             try:
                 self.engine.io.read(f.fd, items[0].loc.file, [IOReq(lease.addr, hi - lo, lo)])
             except OSError as exc:
-                raise CheckpointCorruptError(
-                    f"checkpoint {self.directory}, file {items[0].loc.file}: {exc}") from exc
+                error = CheckpointCorruptError(
+                    f"checkpoint {self.directory}, file {items[0].loc.file}: {exc}")
+                if self.damaged is None:
+                    raise error from exc
+                self.damaged += [(item.req, error) for item in items]
+                return []
             out = []
             for item in items:
                 a = item.loc.offset - lo
                 mem = memory_at(lease.addr + a, item.loc.length) if item.loc.length else b""
                 if self.verify_checksums:
-                    verify_span([(0, mem)], item.loc.checksums, item.loc.block, item.loc.length,
-                                self._describe(item.loc, item.req))
+                    try:
+                        verify_span([(0, mem)], item.loc.checksums, item.loc.block,
+                                    item.loc.length, self._describe(item.loc, item.req))
+                    except CheckpointCorruptError as exc:
+                        if self.damaged is None:
+                            raise
+                        self.damaged.append((item.req, exc))
+                        continue
                 if item.target is None:
                     out.append((item.req, None, bytes(mem)))
                 else:
