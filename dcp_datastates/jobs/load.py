@@ -43,7 +43,7 @@ SMALL_ITEM_BYTES = 1 << 20
 GROUP_BYTES, GROUP_GAP = 16 << 20, 64 << 10
 
 _Read = tuple[ReadItem, "torch.Tensor | None", "bytes | None"]
-#: A large item's read that failed and went to ``LoadJob.damaged``.
+#: A read that failed and went to ``LoadJob``'s ``damaged``.
 _DAMAGED = object()
 
 
@@ -58,11 +58,8 @@ class _Small:
 
 
 class LoadJob:
-    """Reads one plan of one load. Made per ``read_data`` by the reader.
-
-    ``damaged``: where given, an item whose read or checksum fails is put there (with its
-    error) and the other items are read on, instead of the load failing at the first one.
-    """
+    """Reads one plan of one load. Made per ``read_data`` by the reader. With ``damaged``,
+    an item whose read or checksum fails goes there (with its error) and the rest is read."""
 
     def __init__(self, engine: Engine, directory: Path, metadata: Metadata,
                  verify_checksums: bool, direct_io: bool, stamp: tuple | None = None,
@@ -135,23 +132,12 @@ class LoadJob:
                 for group in _groups(items, min(GROUP_BYTES, bounce)):
                     groups.append(self.engine.submit(self._read_group, files.get(name), group))
             done = [(req, target, data) for req, target, f in large  # data: bytes items
-                    if (data := self._result(req, f)) is not _DAMAGED]
+                    if (data := _result(req, f, self.damaged)) is not _DAMAGED]
             return done + [r for g in groups for r in g.result()]
         finally:
             for f in [*(f for *_, f in large), *groups]:
                 f.exception()  # nothing may still read into memory once this returns
             files.close()
-
-    def _result(self, req: ReadItem, future: Future) -> object:
-        """A large item's read's result; ``_DAMAGED`` where it failed and is put in
-        ``damaged``."""
-        try:
-            return future.result()
-        except CheckpointCorruptError as exc:
-            if self.damaged is None:
-                raise
-            self.damaged.append((req, exc))
-            return _DAMAGED
 
     def _read_group(self, f: _File, items: list[_Small]) -> list[_Read]:
         """Read the items' bytes in one request, verify each, copy each into its target."""
@@ -162,25 +148,15 @@ class LoadJob:
             try:
                 self.engine.io.read(f.fd, items[0].loc.file, [IOReq(lease.addr, hi - lo, lo)])
             except OSError as exc:
-                error = CheckpointCorruptError(
-                    f"checkpoint {self.directory}, file {items[0].loc.file}: {exc}")
-                if self.damaged is None:
-                    raise error from exc
-                self.damaged += [(item.req, error) for item in items]
-                return []
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory}, file {items[0].loc.file}: {exc}") from exc
             out = []
             for item in items:
                 a = item.loc.offset - lo
                 mem = memory_at(lease.addr + a, item.loc.length) if item.loc.length else b""
-                if self.verify_checksums:
-                    try:
-                        verify_span([(0, mem)], item.loc.checksums, item.loc.block,
-                                    item.loc.length, self._describe(item.loc, item.req))
-                    except CheckpointCorruptError as exc:
-                        if self.damaged is None:
-                            raise
-                        self.damaged.append((item.req, exc))
-                        continue
+                if self.verify_checksums and not _verified(
+                        item, mem, self._describe(item.loc, item.req), self.damaged):
+                    continue
                 if item.target is None:
                     out.append((item.req, None, bytes(mem)))
                 else:
@@ -329,6 +305,30 @@ class LoadJob:
             raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
 
 
+
+
+def _result(req: ReadItem, future: Future, damaged: list | None) -> object:
+    """A large item's read's result; ``_DAMAGED`` where it failed and went to ``damaged``."""
+    try:
+        return future.result()
+    except CheckpointCorruptError as exc:
+        if damaged is None:
+            raise
+        damaged.append((req, exc))
+        return _DAMAGED
+
+
+def _verified(item: _Small, mem: memoryview | bytes, what: str, damaged: list | None) -> bool:
+    """Whether a small item's bytes ``mem`` match its checksums; where not, raise, or put
+    the item in ``damaged``."""
+    try:
+        verify_span([(0, mem)], item.loc.checksums, item.loc.block, item.loc.length, what)
+    except CheckpointCorruptError as exc:
+        if damaged is None:
+            raise
+        damaged.append((item.req, exc))
+        return False
+    return True
 
 
 def _groups(items: list[_Small], limit: int) -> list[list[_Small]]:
