@@ -108,3 +108,23 @@ def test_persist_takes_the_rank_from_its_caller(tiers: Tiers, make_writer,
     assert not list(target.glob(".part.*"))
     assert_state_equal(load_into(state, target), state)
 
+
+
+def test_a_persist_failing_over_a_committed_part_leaves_no_part_without_its_file(
+        tiers: Tiers, make_writer, engine: Engine, faulty_engine) -> None:
+    """A rank's part persisted again (``persist`` from the memory tier over a part already in
+    the durable step) that fails half-way leaves no committed part naming a file it removed:
+    the other rank's part must not complete the step with that rank's data missing."""
+    state = small_state(5)
+    src = tiers.scratch / "step_5"
+    save(state, src, make_writer())
+    target = tiers.durable / "step_5"
+    assert not persist_part(engine, src, target, 0, 2)
+    bad, _backend = faulty_engine(fail_write_after=0)
+    with pytest.raises(OSError):
+        persist_part(bad, src, target, 0, 2)
+    other = tiers.scratch / "step_5_rank_1"  # rank 1's share: a data file of its own
+    save(state, other, make_writer())
+    assert not persist_part(engine, other, target, 1, 2), "rank 0's part lost its file"
+    assert persist_part(engine, src, target, 0, 2)
+    assert_state_equal(load_into(state, target), state)

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from ..engine import Engine
+from ..errors import CheckpointCorruptError
 from ..jobs.load import LoadJob
 from .progress import Progress
 
@@ -105,7 +106,9 @@ class Planner:
 
 
 def read(engine: Engine, path: Path, md: Metadata, items: list[ReadItem], planner: Planner,
-         verify: bool) -> None:
-    """Read ``items`` of the checkpoint at ``path`` with one load job; raise as a load does."""
-    job = LoadJob(engine, path, md, verify_checksums=verify, direct_io=False)
+         verify: bool, damaged: list[tuple[ReadItem, CheckpointCorruptError]] | None = None
+         ) -> None:
+    """Read ``items`` of the checkpoint at ``path`` with one load job; raise as a load does
+    (with ``damaged``: put each item whose read or checksum fails there, and read on)."""
+    job = LoadJob(engine, path, md, verify_checksums=verify, direct_io=False, damaged=damaged)
     job.read(LoadPlan(items), planner)

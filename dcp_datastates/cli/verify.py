@@ -42,11 +42,11 @@ class _Read(NamedTuple):
 class ChunkCheck:
     """Re-reads stored chunks through the load job, checksums on, and names each that fails.
 
-    One load job per batch of about ``batch_bytes``. A load job stops at its first failure:
-    when its error names one item of the batch, that item is reported and the rest read
-    again; where it names several or none, the batch is split. So a few damaged items cost a
-    few more load jobs, each of which reads the data file's header again. Targets are views
-    of one scratch buffer, reused batch after batch.
+    One load job per batch of about ``batch_bytes``, which reads on past damaged items (a
+    failed read or checksum) and names each. Where it stops at another failure: when its
+    error names one item of the batch, that item is reported and the rest read again; where
+    it names several or none, the batch is split. Targets are views of one scratch buffer,
+    reused batch after batch.
     """
 
     def __init__(self, engine: Engine, path: Path, md: Metadata, progress: Progress,
@@ -79,7 +79,7 @@ class ChunkCheck:
         found, todo = [], [batch]
         while todo:
             part = todo.pop()
-            failed = self._failure(part)
+            failed = self._failure(part, found)
             if failed is None:
                 continue
             named = [r for r in part if r.label in failed]
@@ -94,16 +94,23 @@ class ChunkCheck:
             todo += [[r for r in part if id(r) not in taken], split]
         return found
 
-    def _failure(self, batch: list[_Read]) -> str | None:
-        """Read ``batch`` with one load job: None if it succeeds, else its error."""
+    def _failure(self, batch: list[_Read], found: list[tuple[_Read, str]]) -> str | None:
+        """Read ``batch`` with one load job, each damaged item (and its error) put in
+        ``found``: None if the job ends, else the error that stopped it."""
         if not batch:
             return None
         targets = self._targets(batch)
         planner = Planner(lambda item: targets[id(item)], self.progress)
+        damaged: list = []
         try:
-            read(self.engine, self.path, self.md, [r.item for r in batch], planner, verify=True)
+            read(self.engine, self.path, self.md, [r.item for r in batch], planner, verify=True,
+                 damaged=damaged)
         except CheckpointError as exc:
             return str(exc)
+        of = {id(r.item): r for r in batch}
+        for item, exc in damaged:
+            self.progress.update(of[id(item)].nbytes)
+            found.append((of[id(item)], str(exc)))
         return None
 
     def _targets(self, batch: list[_Read]) -> dict[int, torch.Tensor]:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..directory import new_token
+from ..directory import fsync_dir, new_token
 from ..file_writer import DataFile, Piece
 from ..metadata_file import read_metadata
 from .commit import commit, data_files
@@ -36,10 +36,12 @@ def copy_checkpoint(engine: Engine, source: Path, target: Path, *,
     instead, as one part of the checkpoint ``target`` will hold. Returns the metadata."""
     metadata = read_metadata(source)
     target.mkdir(parents=True, exist_ok=True)
+    if part is not None and part.exists():  # void first (durably): a part left committed
+        shutil.rmtree(part, ignore_errors=True)  # must not name the files replaced here
+        fsync_dir(target)
     for name in sorted(data_files(metadata)):
         copy_file(engine, source / name, target / name)
     if part is not None:
-        shutil.rmtree(part, ignore_errors=True)  # what a copy that died left of this part
         part.mkdir()
     commit(part or target, metadata, new_token(), data_dir=target if part else None)
     return metadata

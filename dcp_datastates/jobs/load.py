@@ -43,6 +43,8 @@ SMALL_ITEM_BYTES = 1 << 20
 GROUP_BYTES, GROUP_GAP = 16 << 20, 64 << 10
 
 _Read = tuple[ReadItem, "torch.Tensor | None", "bytes | None"]
+#: A read that failed and went to ``LoadJob``'s ``damaged``.
+_DAMAGED = object()
 
 
 @dataclass
@@ -56,16 +58,19 @@ class _Small:
 
 
 class LoadJob:
-    """Reads one plan of one load. Made per ``read_data`` by the reader."""
+    """Reads one plan of one load. Made per ``read_data`` by the reader. With ``damaged``,
+    an item whose read or checksum fails goes there (with its error) and the rest is read."""
 
     def __init__(self, engine: Engine, directory: Path, metadata: Metadata,
-                 verify_checksums: bool, direct_io: bool, stamp: tuple | None = None) -> None:
+                 verify_checksums: bool, direct_io: bool, stamp: tuple | None = None,
+                 damaged: list[tuple[ReadItem, CheckpointCorruptError]] | None = None) -> None:
         self.engine = engine
         self.directory = directory
         self.metadata = metadata
         self.verify_checksums = verify_checksums
         self.direct_io = direct_io
         self.stamp = stamp  # the .metadata read (metadata_stamp), to tell a replaced one
+        self.damaged = damaged
         self.stats = LoadStats(engine.io.name, verified=verify_checksums)
         self._over = threading.Event()  # the reads are over (the engine's close waits)
 
@@ -126,7 +131,8 @@ class LoadJob:
             for name, items in small.items():
                 for group in _groups(items, min(GROUP_BYTES, bounce)):
                     groups.append(self.engine.submit(self._read_group, files.get(name), group))
-            done = [(req, target, f.result()) for req, target, f in large]  # data: bytes items
+            done = [(req, target, data) for req, target, f in large  # data: bytes items
+                    if (data := _result(req, f, self.damaged)) is not _DAMAGED]
             return done + [r for g in groups for r in g.result()]
         finally:
             for f in [*(f for *_, f in large), *groups]:
@@ -148,9 +154,9 @@ class LoadJob:
             for item in items:
                 a = item.loc.offset - lo
                 mem = memory_at(lease.addr + a, item.loc.length) if item.loc.length else b""
-                if self.verify_checksums:
-                    verify_span([(0, mem)], item.loc.checksums, item.loc.block, item.loc.length,
-                                self._describe(item.loc, item.req))
+                if self.verify_checksums and not _verified(
+                        item, mem, self._describe(item.loc, item.req), self.damaged):
+                    continue
                 if item.target is None:
                     out.append((item.req, None, bytes(mem)))
                 else:
@@ -299,6 +305,30 @@ class LoadJob:
             raise CheckpointCorruptError(f"{self._describe(loc, req)}: {exc}") from exc
 
 
+
+
+def _result(req: ReadItem, future: Future, damaged: list | None) -> object:
+    """A large item's read's result; ``_DAMAGED`` where it failed and went to ``damaged``."""
+    try:
+        return future.result()
+    except CheckpointCorruptError as exc:
+        if damaged is None:
+            raise
+        damaged.append((req, exc))
+        return _DAMAGED
+
+
+def _verified(item: _Small, mem: memoryview | bytes, what: str, damaged: list | None) -> bool:
+    """Whether a small item's bytes ``mem`` match its checksums; where not, raise, or put
+    the item in ``damaged``."""
+    try:
+        verify_span([(0, mem)], item.loc.checksums, item.loc.block, item.loc.length, what)
+    except CheckpointCorruptError as exc:
+        if damaged is None:
+            raise
+        damaged.append((item.req, exc))
+        return False
+    return True
 
 
 def _groups(items: list[_Small], limit: int) -> list[list[_Small]]:
