@@ -8,7 +8,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := cmake gcc make liburing-dev libxxhash-dev openmpi-bin libopenmpi-dev
 SHIM := dcp_datastates/_lib/libdcp_uring.so
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 600 mpirun --oversubscribe
-MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py tests/test_tiers_mpi.py
+MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py tests/test_tiers_mpi.py \
+             tests/test_budget_mpi.py
 
 .PHONY: setup native demo test test-mpi test-package lint bench clean distclean FORCE
 

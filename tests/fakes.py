@@ -1,4 +1,5 @@
-"""Fault-injecting I/O backends, passed to the code under test through its constructor."""
+"""Fakes passed to the code under test through its constructors: fault-injecting I/O backends,
+and the clock and costs that drive the overhead budget of ``CheckpointManager``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+from dcp_datastates import Engine
 from dcp_datastates.align import ALIGN
 from dcp_datastates.io import IOBackend, IOReq
 
@@ -121,3 +123,43 @@ class FaultyBackend:
     def close(self) -> None:
         self.closed = True
         self.inner.close()
+
+
+class FakeClock:
+    """A clock that reads ``now``, which only the test moves (``clock=`` of the manager)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Costly:
+    """A ``Stateful`` whose ``state_dict()`` takes ``cost_s`` of ``clock``: a save of it costs
+    the training thread that much in its ``save()`` call (as a slow state-dict gather would)."""
+
+    def __init__(self, state: dict, clock: FakeClock, cost_s: float) -> None:
+        self.state, self.clock, self.cost_s = state, clock, cost_s
+
+    def state_dict(self) -> dict:
+        self.clock.now += self.cost_s
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+class SlowGuardEngine(Engine):
+    """An engine whose next ``wait_for_snapshots`` takes ``next_wait_s`` of ``clock`` (set by
+    the test after a save is taken: its snapshot holds the next optimizer step that long)."""
+
+    def __init__(self, clock: FakeClock, **kw: object) -> None:
+        super().__init__(**kw)
+        self.clock = clock
+        self.next_wait_s = 0.0
+
+    def wait_for_snapshots(self) -> None:
+        super().wait_for_snapshots()
+        self.clock.now += self.next_wait_s
+        self.next_wait_s = 0.0

@@ -20,7 +20,9 @@ class SaveFigures:
     Not :class:`~dcp_datastates.stats.SaveStats`, which holds what one storage save did
     (bytes, flush time, I/O backend): a managed save spans a snapshot, the memory tier's
     storage save (with its own ``SaveStats``), a replica and maybe a persist; these are its
-    milestones.
+    milestones. ``cost_s`` (with ``max_overhead`` only) is what the save cost the training
+    thread: its ``save()`` call and the guard's waits for its snapshot. A save skipped under
+    ``max_overhead`` has figures too, ``skipped`` and nothing else.
     """
 
     step: int
@@ -30,22 +32,33 @@ class SaveFigures:
     memory_s: float | None = None
     persist_s: float | None = None
     replicated: bool = False
+    cost_s: float | None = None
+    skipped: bool = False
 
 
 @dataclass
 class SaveHandle:
     """A managed save in flight: its snapshot (``staged``), its commit into the memory tier
     (``committed``) and, if it is persisted, its copy into the durable tier (``persisted``:
-    this rank's part there, and the commit of the step if this rank completed it)."""
+    this rank's part there, and the commit of the step if this rank completed it).
+
+    A save skipped under ``max_overhead`` has a ``reason``: nothing was staged or written, and
+    its futures are done (``result()`` returns None: a skip is no failure)."""
 
     step: int
     staged: Future
     committed: Future
     persisted: Future | None = None
+    reason: str = ""
     figures: SaveFigures = field(init=False)
 
     def __post_init__(self) -> None:
-        self.figures = SaveFigures(self.step)
+        self.figures = SaveFigures(self.step, skipped=self.skipped)
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the save was skipped (``reason`` says why)."""
+        return bool(self.reason)
 
     def result(self, timeout: float | None = None) -> None:
         """Wait for the memory commit (and the persist, if any); raise what failed."""
@@ -59,3 +72,10 @@ def failed_handle(step: int, error: BaseException) -> SaveHandle:
     failed: Future = Future()
     failed.set_exception(error)
     return SaveHandle(step, failed, failed)
+
+
+def skipped_handle(step: int, reason: str) -> SaveHandle:
+    """The handle of a save skipped for ``reason``: both futures done, with no result."""
+    done: Future = Future()
+    done.set_result(None)
+    return SaveHandle(step, done, done, reason=reason)

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ..directory import memory_backed
 from ..engine import Engine, default_engine
 from ..sizes import parse_size
 from ..snapshot import layout, walk
+from .budget import Budget, check_max_overhead
 from .handles import SaveFigures, SaveHandle
 from .local_dcp import plain
 from .memory_save import MemorySaver
@@ -66,6 +68,13 @@ class CheckpointManager:
         replicate: also keep each rank's memory checkpoints in the next rank's memory tier
             (another node's, in a real job), so a lost node's memory can be restored from memory.
         engine: the :class:`~dcp_datastates.Engine` (default: the process's engine).
+        max_overhead: the fraction of training time checkpointing may cost the training
+            thread (the ``save()`` calls and the guard's waits, against the time between
+            saves); a save that does not fit is skipped at once (:mod:`.budget`). 0.05 lets a
+            loop call ``save`` every step and get as many checkpoints as the hardware allows
+            within 5%. None (default) takes every save, as a loop that saves every N steps
+            expects.
+        clock: what the budget measures time with (tests pass a fake).
 
     Under ``torch.distributed`` the manager makes gloo groups of its own (collectively, in the
     constructor): make it on every rank at the same point.
@@ -75,8 +84,11 @@ class CheckpointManager:
                  memory_dir: str | os.PathLike | None = None, keep_memory: int = 2,
                  keep_durable: int | None = 3, memory_limit: int | str | None = None,
                  persist: int | str | None = "idle",
-                 replicate: bool = False, engine: Engine | None = None) -> None:
+                 replicate: bool = False, engine: Engine | None = None,
+                 max_overhead: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         _check_options(durable_dir, memory_dir, keep_memory, keep_durable, persist)
+        check_max_overhead(max_overhead)
         ranks = self._ranks = Ranks.here()
         self.rank, self.world = ranks.rank, ranks.world
         self.durable = Path(os.path.expanduser(durable_dir)).absolute() if durable_dir else None
@@ -91,7 +103,9 @@ class CheckpointManager:
         self.replicate = replicate and self.world > 1
         if replicate and self.world == 1:
             log.info("dcp_datastates: replicate=True with one rank: no peer to replicate to")
-        self.history: list[SaveFigures] = []
+        self.history: list[SaveFigures] = []  # saves committed, then skipped ones at once
+        self._budget = None if max_overhead is None else Budget(max_overhead, clock, ranks,
+                                                                self.history)
         self._unreported: list[BaseException] = []  # errors of saves that wait() has to raise
         self._handles: list[SaveHandle] = []
         self._closed = False
@@ -134,6 +148,7 @@ class CheckpointManager:
         :class:`TierFullError` in its handle (logged; nothing is written) and training goes on.
         The first save after ``load`` of an older step removes the newer steps from the memory
         tiers and moves the durable ones to ``durable_dir/.abandoned/<time>/`` (logged).
+        Under ``max_overhead``, a save that does not fit is skipped: its handle says why.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -142,18 +157,24 @@ class CheckpointManager:
         if self._rollback is not None:
             self._retention.set_aside(self._rollback)
             self._rollback = None
+        slot = self._slots.take(warn=self._budget is None) if self._slots is not None else None
+        if self._budget is not None:
+            skipped = self._budget.decide(step, self._slots, slot)
+            if skipped is not None:
+                return skipped
         start = time.perf_counter()
         newer = [s for s in committed_steps(self.memory) if s > step]
         if newer:  # a rollback (load(step=older), then training on): the newer steps stay
             log.warning("dcp_datastates: saving step %d while the memory tier holds newer "
                         "steps %s (a rollback?): they stay, and latest_step() returns the "
                         "newest of them until they are removed", step, newer)
-        slot = self._slots.take() if self._slots is not None else None
         handle = self._saver.start(step, plain(state), start, slot)
         if self._persister is not None:
             self._persister.after_save(handle)
         self._after.submit(self._saver.after_commit, handle, start, slot)
         self._handles.append(handle)
+        if self._budget is not None:
+            self._budget.taken(handle)
         return handle
 
     def prepare(self, state: dict) -> None:
@@ -168,8 +189,12 @@ class CheckpointManager:
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for_snapshots(self) -> None:
-        """Block until every snapshot staged so far is copied (what ``guard`` calls)."""
-        self.engine.wait_for_snapshots()
+        """Block until every snapshot staged so far is copied (what ``guard`` calls); under
+        ``max_overhead``, the wait counts as a cost of the save waited for."""
+        if self._budget is None:
+            self.engine.wait_for_snapshots()
+        else:
+            self._budget.wait(self.engine.wait_for_snapshots)
 
     def wait(self) -> None:
         """Wait for every save so far: memory commits, replicas and persists; raise the first

@@ -46,6 +46,14 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
+    def most(self, value: int) -> int:
+        """The largest of every rank's ``value``."""
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)

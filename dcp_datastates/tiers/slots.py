@@ -118,8 +118,9 @@ class SlotPool:
         _remove_dead_pools(memory)
         self.directory.mkdir(parents=True)
 
-    def take(self) -> Slot | None:
-        """A free slot (made if fewer than ``limit`` exist); None when all are in use."""
+    def take(self, warn: bool = True) -> Slot | None:
+        """A free slot (made if fewer than ``limit`` exist); None when all are in use (logged
+        once, with ``warn``: the save is copied into the tier instead)."""
         with self._lock:
             if self._free:
                 slot = self._free.pop()
@@ -127,7 +128,7 @@ class SlotPool:
                 slot = Slot(self, next(self._names))
                 self._count += 1
             else:
-                if not self._warned:
+                if warn and not self._warned:
                     log.warning("dcp_datastates: all %d memory-tier slots are in use; this save "
                                 "(and any other while they are) is copied into the tier "
                                 "instead of snapshotted into it (slower)", self.limit)

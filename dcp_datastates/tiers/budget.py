@@ -1,0 +1,169 @@
+"""The overhead budget (``max_overhead``): which saves the training thread can afford.
+
+A save costs the training thread its ``save()`` call and the guard's waits for its snapshot
+(:meth:`CheckpointManager.wait_for_snapshots`); the training time is the time between saves
+less those. Each rank keeps an :class:`Account`: training time earns ``max_overhead`` seconds
+of cost per second, each cost is spent as it is measured, and a save is taken when the account
+holds what a save costs (an average of the recent saves' costs, the newest weighted most). The
+account holds at most one save's cost, so a long pause lets one save through, not a burst.
+
+A save is skipped at once (nothing staged, nothing written) when the account cannot pay for it,
+when the previous save's snapshot is still copying (taking it would make the guard wait), or
+when no memory-tier slot is free (it would be copied into the tier, seconds of work). Under
+``torch.distributed`` the ranks take the same decision for every step (a step saved on some
+ranks only could never be restored): one all-reduce (MAX) per save on the manager's gloo group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from concurrent import futures
+
+from .handles import SaveFigures, SaveHandle, skipped_handle
+from .ranks import Ranks
+from .slots import Slot, SlotPool
+
+log = logging.getLogger("dcp_datastates")
+
+#: Weight of the newest save's cost in the expected cost of a save.
+NEWEST_WEIGHT = 0.5
+#: Why a save is skipped, by precedence (an all-reduce keeps the highest of the ranks').
+OVER_BUDGET, NO_SLOT, COPYING = 1, 2, 3
+#: What a rank says of another rank's reason.
+OTHERS = {OVER_BUDGET: "over its budget", NO_SLOT: "no memory-tier slot free",
+          COPYING: "its previous snapshot is still copying"}
+
+
+def check_max_overhead(value: object) -> None:
+    """Raise ValueError unless ``value`` is None or a fraction in (0, 1]."""
+    if value is None:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 < value <= 1):
+        raise ValueError(f"max_overhead must be None or a number in (0, 1] (a fraction of "
+                         f"training time, e.g. 0.05), got {value!r}")
+
+
+class Account:
+    """One rank's account of what its saves cost the training thread, at ``fraction`` of the
+    training time (seconds throughout)."""
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self.credit = 0.0  # cost the training time allows now, less what was spent
+        self.expected: float | None = None  # what a save costs (None: no save measured yet)
+
+    def earn(self, training_s: float) -> None:
+        """``training_s`` of training went by: credit, up to one save's cost."""
+        if self.expected is not None:
+            self.credit = min(self.credit + self.fraction * max(0.0, training_s), self.expected)
+
+    def spend(self, cost_s: float) -> None:
+        self.credit -= cost_s
+
+    def settle(self, cost_s: float) -> None:
+        """A save's snapshot is over and cost ``cost_s`` in all: the expected cost follows."""
+        old = self.expected
+        self.expected = cost_s if old is None else old + NEWEST_WEIGHT * (cost_s - old)
+
+    def affords(self) -> bool:
+        """Whether a save fits (the first one always does: nothing is known of its cost)."""
+        return self.expected is None or self.credit >= self.expected
+
+    def why_not(self) -> str:
+        short = (self.expected - self.credit) / self.fraction
+        return (f"budget: a save costs the training thread about {self.expected:.3f} s, which "
+                f"max_overhead={self.fraction:g} earns in {self.expected / self.fraction:.2f} s "
+                f"of training; {short:.2f} s more are needed")
+
+
+class Budget:
+    """Takes or skips this rank's saves under ``max_overhead``, with the other ranks; times
+    the training thread by ``clock``; puts the figures of skipped saves in ``history``.
+    ``save()`` calls :meth:`decide` then, for a save taken, :meth:`taken`; the guard's waits go
+    through :meth:`wait`."""
+
+    def __init__(self, max_overhead: float, clock: Callable[[], float], ranks: Ranks,
+                 history: list[SaveFigures]) -> None:
+        self.account = Account(float(max_overhead))
+        self.clock, self.ranks, self.history = clock, ranks, history
+        self._open: SaveHandle | None = None  # the last save taken, until its snapshot is over
+        self._mark: float | None = None  # when the last save() returned
+        self._waited = 0.0  # the guard's waits since then
+        self._call = 0.0  # when this save() began
+        self._skipping = False  # in a burst of skipped saves (logged once)
+
+    def decide(self, step: int, slots: SlotPool | None, slot: Slot | None) -> SaveHandle | None:
+        """At the start of ``save(step)``: None to take it, else its skipped handle (logged at
+        the first skip of a burst). ``slot``: the slot of the memory tier's ``slots`` taken
+        for it (given back if it is skipped; None with ``slots``: none was free).
+        Collective under ``torch.distributed``."""
+        now = self._call = self.clock()
+        self._close_open()
+        if self._mark is not None:
+            self.account.earn(now - self._mark - self._waited)
+        code, reason = self._local_reason(slots is not None and slot is None)
+        agreed = self.ranks.most(code * self.ranks.world + self.ranks.rank if code else -1)
+        if agreed < 0:
+            self._skipping = False
+            return None
+        if not code:
+            code, rank = divmod(agreed, self.ranks.world)
+            reason = f"rank {rank}: {OTHERS[code]}"
+        if not self._skipping:
+            log.info("dcp_datastates: save of step %d skipped (%s); further saves skipped in a "
+                     "row are not logged", step, reason)
+            self._skipping = True
+        if slot is not None:
+            slots.settle(slot, slot.home, committed=False)  # free again
+        handle = skipped_handle(step, reason)
+        self.history.append(handle.figures)
+        self._end_call(open_figures=False)
+        return handle
+
+    def taken(self, handle: SaveHandle) -> None:
+        """The save ``handle`` was started: its call's cost is spent; its snapshot's waits
+        are charged to it until the snapshot is over."""
+        self._open = handle
+        handle.figures.cost_s = 0.0
+        self._end_call(open_figures=True)
+
+    def wait(self, wait: Callable[[], None]) -> None:
+        """Run the guard's ``wait`` for the snapshots; spend the time it took."""
+        start = self.clock()
+        wait()
+        if self._open is not None:  # its future is set just after its copies end
+            futures.wait([self._open.staged])
+        waited = self.clock() - start
+        self._charge(waited, open_figures=True)
+        self._waited += waited
+
+    def _local_reason(self, no_slot: bool) -> tuple[int, str]:
+        """This rank's reason to skip the save (0: none)."""
+        if self._open is not None:
+            return COPYING, f"the snapshot of step {self._open.step} is still copying"
+        if no_slot:
+            return NO_SLOT, ("no memory-tier slot free (earlier saves are still being "
+                             "committed)")
+        if not self.account.affords():
+            return OVER_BUDGET, self.account.why_not()
+        return 0, ""
+
+    def _close_open(self) -> None:
+        """The last save taken is settled once its snapshot is over."""
+        if self._open is not None and self._open.staged.done():
+            self.account.settle(self._open.figures.cost_s)
+            self._open = None
+
+    def _end_call(self, open_figures: bool) -> None:
+        end = self.clock()
+        self._charge(end - self._call, open_figures)
+        self._mark, self._waited = end, 0.0
+
+    def _charge(self, cost_s: float, open_figures: bool) -> None:
+        """Spend ``cost_s``; with ``open_figures``, it is the open save's cost too."""
+        self.account.spend(cost_s)
+        if open_figures and self._open is not None:
+            self._open.figures.cost_s += cost_s

@@ -1,0 +1,210 @@
+"""The overhead budget of ``CheckpointManager`` (``max_overhead``): saves that do not fit are
+skipped at once, their handles and ``history`` say so, one log line per burst of skips, and
+restarts see only the steps taken.
+
+Time is a fake clock the tests move (``clock=``); what a save costs the training thread is put
+in its ``save()`` call (a ``Stateful`` whose ``state_dict()`` moves the clock) or in the guard's
+wait for its snapshot (an engine whose wait moves it). Nothing is timed against the wall clock.
+With ``max_overhead=1/16``, steps of 0.5 s earn 1/32 s of cost each and a save costs 1/8 s
+(exact in binary): after the first save (paid from an empty account) a save every 4 steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import MARKS, Tiers, assert_state_equal, blank_like, rand_tensor
+from fakes import Costly, FakeClock, SlowGuardEngine
+from test_tiers import HoldWrites
+
+from dcp_datastates import CheckpointManager, guard
+from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates.tiers.budget import Budget
+from dcp_datastates.tiers.handles import SaveHandle
+from dcp_datastates.tiers.ranks import Ranks
+
+pytestmark = MARKS
+
+BUDGET, STEP_S, COST_S = 1 / 16, 0.5, 1 / 8
+#: The steps of 0..24 taken under that budget at that cost (every 4 steps after the first gap).
+TAKEN = [0, 8, 12, 16, 20, 24]
+
+
+def make_state(step: int) -> dict:
+    return {"model": {"w": rand_tensor((32, 16), torch.float32, step),
+                      "b": rand_tensor((16,), torch.bfloat16, step + 1)},
+            "extra": {"step": step, "tag": f"at {step}"}}
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def engine(clock: FakeClock) -> Iterator[SlowGuardEngine]:
+    made = SlowGuardEngine(clock, host_cache_size="8MiB", io_backend="threads", io_workers=2)
+    yield made
+    leases = made.live_leases()
+    made.close()
+    assert leases == 0, f"{leases} lease(s) still held after the test"
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    return caplog
+
+
+def skip_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "dcp_datastates" and "skipped" in r.getMessage()]
+
+
+def train(manager: CheckpointManager, clock: FakeClock, engine: SlowGuardEngine,
+          steps: range, cost_in: str, state_at: Callable[[int], dict] = make_state
+          ) -> list[SaveHandle]:
+    """A loop that saves every step: STEP_S of training, the optimizer step (guarded), then
+    ``save``; each save taken costs COST_S in its call or in the next guard wait
+    (``cost_in``). Every commit is waited for (the tier keeps up)."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = guard(optimizer, source=manager)
+    handles = []
+    try:
+        for step in steps:
+            clock.now += STEP_S
+            optimizer.step()
+            state = state_at(step)
+            if cost_in == "call":
+                state = {"app": Costly(state, clock, COST_S)}
+            handle = manager.save(step, state)
+            handles.append(handle)
+            if not handle.skipped:
+                engine.next_wait_s = COST_S if cost_in == "guard" else 0.0
+                manager.wait()
+    finally:
+        hook.remove()
+    return handles
+
+
+@pytest.mark.parametrize("cost_in", ["call", "guard"])
+def test_saves_over_the_budget_are_skipped_and_say_why(tiers: Tiers, clock: FakeClock,
+                                                       engine: SlowGuardEngine, logs,
+                                                       cost_in: str) -> None:
+    with CheckpointManager(memory_dir=tiers.memory, engine=engine, max_overhead=BUDGET,
+                           clock=clock) as manager:
+        handles = train(manager, clock, engine, range(25), cost_in)
+        assert [h.step for h in handles if not h.skipped] == TAKEN
+        skipped = [h for h in handles if h.skipped]
+        for h in skipped:
+            assert h.reason.startswith("budget: ") and "max_overhead=0.0625" in h.reason, h.reason
+            assert h.result() is None  # a skip is no failure
+            assert h.staged.done() and h.persisted is None
+        # the first gap repays the first save too: 7 more steps of training needed at step 1
+        assert "; 3.50 s more are needed" in skipped[0].reason, skipped[0].reason
+        assert sorted(f.step for f in manager.history if f.skipped) == [h.step for h in skipped]
+        taken = [f for f in manager.history if not f.skipped]
+        assert [f.step for f in taken] == TAKEN
+        assert all(f.cost_s == COST_S for f in taken[:-1])  # the last one's wait never came
+        assert manager.latest_step() == TAKEN[-1]
+    lines = skip_lines(logs)
+    assert len(lines) == len(TAKEN) - 1, lines  # one per burst: 1-7, 9-11, 13-15, ...
+    assert [int(re.search(r"step (\d+)", line).group(1)) for line in lines] == [1, 9, 13, 17, 21]
+    assert sorted(int(p.name[5:]) for p in tiers.memory.glob("step_*")) == TAKEN[-2:]
+
+
+def test_a_long_pause_lets_one_save_through_not_a_burst(tiers: Tiers, clock: FakeClock,
+                                                        engine: SlowGuardEngine) -> None:
+    with CheckpointManager(memory_dir=tiers.memory, engine=engine, max_overhead=BUDGET,
+                           clock=clock) as manager:
+        train(manager, clock, engine, range(13), "call")
+        clock.now += 3600.0  # evaluation, a stall: an hour without saves
+        after = train(manager, clock, engine, range(13, 20), "call")
+    assert [h.step for h in after if not h.skipped] == [13, 17]
+
+
+def test_a_restart_after_skipped_saves_loads_the_newest_step_taken(tiers: Tiers,
+                                                                   clock: FakeClock,
+                                                                   engine: SlowGuardEngine
+                                                                   ) -> None:
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine,
+                           max_overhead=BUDGET, clock=clock, persist="idle") as manager:
+        handles = train(manager, clock, engine, range(23), "guard")
+    assert [h.step for h in handles if not h.skipped] == TAKEN[:-1]
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine) as again:
+        assert again.latest_step() == 20
+        state = blank_like(make_state(20))
+        assert again.load(state) == 20
+        assert_state_equal(state, make_state(20))
+    for root in (tiers.memory, tiers.durable):
+        held = {int(p.name[5:]) for p in root.glob("step_*")}
+        assert held and held <= set(TAKEN), (root, held)
+
+
+def test_no_budget_takes_every_save(tiers: Tiers, clock: FakeClock,
+                                    engine: SlowGuardEngine, logs) -> None:
+    with CheckpointManager(memory_dir=tiers.memory, engine=engine, clock=clock) as manager:
+        handles = train(manager, clock, engine, range(10), "call")
+        assert not any(h.skipped for h in handles)
+        assert [f.step for f in manager.history] == list(range(10))
+        assert all(not f.skipped and f.cost_s is None for f in manager.history)
+    assert skip_lines(logs) == []
+
+
+@pytest.mark.parametrize("bad", [-0.05, 0, 1.5, float("nan"), float("inf"), "0.05", True])
+def test_bad_max_overhead_is_refused(tiers: Tiers, bad: object) -> None:
+    with pytest.raises(ValueError, match="max_overhead"):
+        CheckpointManager(memory_dir=tiers.memory, max_overhead=bad)
+    assert not tiers.memory.exists()
+
+
+def test_a_save_while_the_previous_snapshot_copies_is_skipped(clock: FakeClock) -> None:
+    history: list = []
+    budget = Budget(0.5, clock, Ranks(0, 1, None), history)
+    first = SaveHandle(0, Future(), Future())
+    assert budget.decide(0, None, None) is None  # the first save: nothing known, taken
+    budget.taken(first)
+    clock.now += 10.0
+    copying = budget.decide(1, None, None)
+    assert copying is not None and copying.reason == "the snapshot of step 0 is still copying"
+    first.staged.set_result(None)
+    clock.now += 10.0
+    assert budget.decide(2, None, None) is None
+    assert [f.step for f in history] == [1] and history[0].skipped
+
+
+def test_a_save_with_no_slot_free_is_skipped(tiers: Tiers, clock: FakeClock, logs) -> None:
+    """Commits held back keep the slots (keep_memory=1: 4 of them): the fifth save finds none
+    free and is skipped (it would be copied into the tier), not copied; saves cost nothing."""
+    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
+    made = SlowGuardEngine(clock, io_backend=hold, host_cache_size="8MiB", io_workers=2)
+    try:
+        with CheckpointManager(memory_dir=tiers.memory, engine=made, keep_memory=1,
+                               max_overhead=BUDGET, clock=clock) as manager:
+            handles = []
+            for step in range(6):
+                clock.now += STEP_S
+                manager.wait_for_snapshots()
+                handles.append(manager.save(step, make_state(step)))
+            assert [h.skipped for h in handles] == [False] * 4 + [True] * 2
+            assert handles[4].reason.startswith("no memory-tier slot free")
+            hold.gate.set()
+            manager.wait()
+            clock.now += STEP_S
+            manager.wait_for_snapshots()
+            assert not manager.save(6, make_state(6)).skipped
+    finally:
+        hold.gate.set()
+        leases = made.live_leases()
+        made.close()
+        hold.close()
+    assert leases == 0
+    assert len(skip_lines(logs)) == 1
+    assert not any("copied into the tier" in r.getMessage() for r in logs.records)
