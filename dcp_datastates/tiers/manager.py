@@ -70,7 +70,9 @@ class CheckpointManager:
         engine: the :class:`~dcp_datastates.Engine` (default: the process's engine).
 
     Under ``torch.distributed`` the manager makes gloo groups of its own (collectively, in the
-    constructor): make it on every rank at the same point.
+    constructor): make it on every rank at the same point. It claims its memory tier, and the
+    job (through rank 0) its durable tier (:mod:`.claims`): a second manager on either fails
+    here, naming the directory and the holder's pid.
     """
 
     def __init__(self, durable_dir: str | os.PathLike | None = None, *,

@@ -4,7 +4,7 @@ Each tier keeps its newest ``keep`` committed steps (unfinished ones older than 
 committed go too), except memory steps marked as being read (a persist, a replica send): those
 stay until read, and retention runs again after. A dropped memory step's ``.metadata`` goes
 first, then its data file goes back to being a free slot. Going back (``load`` of an older step,
-then training on) sets the newer steps aside.
+then training on) sets the newer steps aside; a step saved again is set aside the same way.
 """
 
 from __future__ import annotations
