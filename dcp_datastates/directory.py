@@ -82,18 +82,9 @@ def check_direct_io(directory: Path) -> None:
     probe.unlink(missing_ok=True)
 
 
-class ClaimedError(CheckpointError):
-    """A directory is claimed by another holder; ``holder``: its pid (None: unknown)."""
-
-    def __init__(self, message: str, holder: int | None) -> None:
-        super().__init__(message)
-        self.holder = holder
-
-
 class DirectoryClaim:
     """An exclusive, non-blocking ``fcntl`` lock on ``directory``'s lock file (``lock``:
-    elsewhere), which holds the holder's pid. The lock dies with its process (SIGKILL too):
-    a claim is never left behind."""
+    elsewhere). The lock dies with its process (SIGKILL too): no claim is left behind."""
 
     def __init__(self, directory: Path, lock: Path | None = None) -> None:
         self.path = lock if lock is not None else directory / LOCK_NAME
@@ -101,26 +92,22 @@ class DirectoryClaim:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
-            holder = int(text) if text.isdigit() else None
-            raise ClaimedError(
-                f"{directory} is being written by another save{_pid(holder)} (it holds "
-                f"{self.path.name}); wait for that save to finish or save elsewhere", holder
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            raise self.refused(directory) from None
         self._fd = fd
+
+    def refused(self, directory: Path) -> CheckpointError:
+        """The error of a claim that another holds."""
+        return CheckpointError(
+            f"{directory} is being written by another save (it holds {LOCK_NAME}); "
+            f"wait for that save to finish or save elsewhere"
+        )
 
     def release(self) -> None:
         """Drop the lock (idempotent); the lock file stays."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def _pid(holder: int | None) -> str:
-    return f" (pid {holder})" if holder is not None else ""
 
 
 def new_token() -> str:
