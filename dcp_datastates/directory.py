@@ -83,20 +83,25 @@ def check_direct_io(directory: Path) -> None:
 
 
 class DirectoryClaim:
-    """An exclusive, non-blocking ``fcntl`` lock on ``directory``'s lock file."""
+    """An exclusive, non-blocking ``fcntl`` lock on ``directory``'s lock file (``lock``:
+    elsewhere). The lock dies with its process (SIGKILL too): no claim is left behind."""
 
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / LOCK_NAME
+    def __init__(self, directory: Path, lock: Path | None = None) -> None:
+        self.path = lock if lock is not None else directory / LOCK_NAME
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise CheckpointError(
-                f"{directory} is being written by another save (it holds {LOCK_NAME}); "
-                f"wait for that save to finish or save elsewhere"
-            ) from None
+            raise self.refused(directory) from None
         self._fd = fd
+
+    def refused(self, directory: Path) -> CheckpointError:
+        """The error of a claim that another holds."""
+        return CheckpointError(
+            f"{directory} is being written by another save (it holds {LOCK_NAME}); "
+            f"wait for that save to finish or save elsewhere"
+        )
 
     def release(self) -> None:
         """Drop the lock (idempotent); the lock file stays."""

@@ -7,6 +7,7 @@ patched (faults come in through ``Engine(io_backend=...)``)."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from conftest import (
 )
 from test_tiers import make_state, steps_in
 
-from dcp_datastates import CheckpointManager, Engine, TierFullError
+from dcp_datastates import CheckpointError, CheckpointManager, Engine, TierFullError
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
 
 MiB = 1 << 20
@@ -72,25 +73,24 @@ def test_saving_a_step_again_does_not_leak_its_slot(tiers: Tiers, engine: Engine
 def test_second_manager_on_the_same_memory_tier_leaves_the_first_ones_slots(
         tiers: Tiers, engine: Engine) -> None:
     """A second manager of the same process on the same memory directory (one that only reads
-    the latest step, say) must not delete the first one's slot files: the first one's saves
-    go on committing."""
+    the latest step, say) is refused at construction (issue 19: one manager per tier
+    directory), naming the directory and the holder's pid, and touches nothing: it must not
+    delete the first one's slot files, whose saves go on committing."""
     first = CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
                               persist=None, engine=engine)
     try:
         first.save(1, make_state(1, big=MiB)).result(timeout=30)
         first.wait()
-        second = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
-                                   engine=engine)
-        assert second.latest_step() == 1
-        for step in (2, 3, 4):
+        refused = rf"memory tier {tiers.memory} is in use by another CheckpointManager "
+        with pytest.raises(CheckpointError, match=refused + rf"\(pid {os.getpid()}"):
+            CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                              engine=engine)
+        assert first.latest_step() == 1
+        for step in (2, 3, 4, 5):
             state = make_state(step, big=MiB)
             first.save(step, state).result(timeout=30)
             first.wait()
             assert_state_equal(load_into(state, tiers.memory / f"step_{step}"), state)
-        second.close()
-        state = make_state(5, big=MiB)
-        first.save(5, state).result(timeout=30)  # the second's close leaves the first's slots
-        assert_state_equal(load_into(state, tiers.memory / "step_5"), state)
     finally:
         first.close()
     assert slot_mappings() == []

@@ -16,6 +16,7 @@ of leaving the others blocked in a collective of the managers.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -33,7 +34,13 @@ from mpi_util import World, agree, broadcast_object, collecting
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dcp_datastates import CheckpointManager, DataStatesReader, Engine, TierFullError
+from dcp_datastates import (
+    CheckpointError,
+    CheckpointManager,
+    DataStatesReader,
+    Engine,
+    TierFullError,
+)
 from dcp_datastates.io import make_backend
 
 pytestmark = [
@@ -533,3 +540,29 @@ def test_going_back_sets_the_newer_steps_aside_on_every_rank(world: World, nodes
         assert_state_equal(got, {k: v for k, v in rank_state(world.rank, 13).items()
                                  if k == f"rank{world.rank}"})
     agree(errors, "durable tier after going back")
+
+
+# -- one manager per tier directory: the durable tier is the job's -------------------------------
+def test_one_job_claims_the_durable_tier_each_rank_its_memory_tier(
+        world: World, nodes: Path, shared: Path, engine: Engine) -> None:
+    """Every rank of a job shares the durable tier (one claim for the job, through rank 0),
+    each has its own memory tier: the job's manager starts on every rank; a second manager of
+    the job on the same durable tier fails on every rank, naming the directory and the pid of
+    rank 0 (the holder), and the first one goes on persisting."""
+    durable = shared / "durable"
+    holder = broadcast_object(os.getpid() if world.rank == 0 else None)
+    errors: list[str] = []
+    with CheckpointManager(durable, memory_dir=nodes / f"node_{world.rank}", persist=1,
+                           engine=engine) as manager:
+        err = error_of(lambda: CheckpointManager(
+            durable, memory_dir=nodes / f"other_{world.rank}", engine=engine))
+        with collecting(errors, "second manager"):
+            assert isinstance(err, CheckpointError), err
+            assert (f"durable tier {durable} is in use by another CheckpointManager "
+                    f"(pid {holder}") in str(err), str(err)
+        handle = manager.save(1, rank_state(world.rank, 1))
+        with collecting(errors, "save"):
+            handle.result(timeout=60)
+    with collecting(errors, "persisted"):
+        assert committed_steps(durable) == [1]
+    agree(errors, f"one claim of the durable tier on {world.size} ranks")

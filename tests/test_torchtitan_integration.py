@@ -402,7 +402,9 @@ def test_memory_tier_persists_and_restart_loads_from_memory(one_rank: None, tmp_
     assert tier_entries(tiers.memory) == ["step_10", "step_8"]
     assert manager._find_load_step() == 8, "torchtitan itself sees the persisted steps"
 
-    # restart (the first run never closed: its newest step was not persisted)
+    # restart (the first run never closed: its newest step was not persisted); a crashed run's
+    # claims of its tier directories die with its process: here, the first run lets them go
+    tiers._claims.release()
     again = Run(seed=1)
     other = tiered(again, tmp_path, shm, engine, mode, persist_interval=4)
     assert other.load()

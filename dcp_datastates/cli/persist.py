@@ -27,10 +27,12 @@ rank. A rank's part comes from its own tier, else from a peer's replica of it
 ranks spread over several nodes and no replicas, run it on each node with
 --step N --partial: each writes its ranks' parts, the last commits the step.
 
-Everything is checked before anything is written. Run it when no job is using
-these directories. Exits 0 when the step is persisted or nothing was needed,
-1 (naming the path) for a missing directory, a step not committed, a rank
-missing or damaged."""
+Files and sizes are checked before anything is written; every checksum as each
+part is copied (a damaged part is refused and the step not committed). Run it
+when no job is using these directories. Exits 0 when the step is persisted or
+nothing was needed, 1 (naming the path) for a missing directory, a step not
+committed, a rank missing or damaged (naming the file and the item whose
+checksum fails)."""
 
 
 def _step(text: str) -> int:

@@ -1,10 +1,14 @@
 """A copy job: a committed checkpoint's data files copied into another directory, then committed.
 
 Each data file goes through the engine's I/O path (with O_DIRECT where the target's file system
-allows), straight from a mapping of the source file; the copy is committed by
-the same code as any save (:mod:`.commit`): as a whole checkpoint, or as a *part* (its metadata
-in a directory of its own, its data files beside other parts' in the target), which a later
-commit merges with the other parts.
+allows), straight from a mapping of the source file; meanwhile the checksum threads check every
+block of every item in that mapping against ``.metadata``'s checksums (the load path's check,
+:func:`~dcp_datastates.checksums.verify_span`), so the bytes copied are read once more from
+memory, never from disk again. A file with a block that does not match is removed and the copy
+fails naming the file and the item: a copy never commits bytes whose checksums fail. The copy
+is committed by the same code as any save (:mod:`.commit`): as a whole checkpoint, or as a
+*part* (its metadata in a directory of its own, its data files beside other parts' in the
+target), which a later commit merges with the other parts.
 """
 
 from __future__ import annotations
@@ -14,13 +18,17 @@ import ctypes
 import mmap
 import os
 import shutil
+from collections import defaultdict
 from collections.abc import Iterator
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..checksums import memory_at, verify_span
 from ..directory import fsync_dir, new_token
+from ..errors import CheckpointCorruptError
 from ..file_writer import DataFile, Piece
-from ..metadata_file import read_metadata
+from ..metadata_file import ItemLocation, read_metadata
 from .commit import commit, data_files
 
 if TYPE_CHECKING:
@@ -28,38 +36,98 @@ if TYPE_CHECKING:
 
     from ..engine import Engine
 
+#: Item bytes one checksum task checks (whole blocks; small items are checked together).
+VERIFY_BYTES = 64 << 20
+
+#: An item of a data file: its name in ``.metadata`` and its location.
+Item = tuple[str, ItemLocation]
+#: Item bytes ``[b0, b1)`` of one item, to check.
+_Span = tuple[str, ItemLocation, int, int]
+
 
 def copy_checkpoint(engine: Engine, source: Path, target: Path, *,
                     part: Path | None = None) -> Metadata:
-    """Copy the checkpoint committed in ``source`` into ``target`` (made if need be) and commit
-    it there; with ``part``, commit its metadata into that directory (made anew, after the copy)
-    instead, as one part of the checkpoint ``target`` will hold. Returns the metadata."""
+    """Copy the checkpoint committed in ``source`` into ``target`` (made if need be), checking
+    every checksum of it as it goes, and commit it there; with ``part``, commit its metadata
+    into that directory (made anew, after the copy) instead, as one part of the checkpoint
+    ``target`` will hold. Returns the metadata. Raises ``CheckpointCorruptError`` naming the
+    file and the item of a block that does not match (nothing of that file is left)."""
     metadata = read_metadata(source)
+    items: dict[str, list[Item]] = defaultdict(list)
+    for index, loc in metadata.storage_data.items():
+        items[loc.file].append((index.fqn, loc))
     target.mkdir(parents=True, exist_ok=True)
     if part is not None and part.exists():  # void first (durably): a part left committed
         shutil.rmtree(part, ignore_errors=True)  # must not name the files replaced here
         fsync_dir(target)
     for name in sorted(data_files(metadata)):
-        copy_file(engine, source / name, target / name)
+        copy_file(engine, source / name, target / name, items[name],
+                  f"checkpoint {source}, file {name}")
     if part is not None:
         part.mkdir()
     commit(part or target, metadata, new_token(), data_dir=target if part else None)
     return metadata
 
 
-def copy_file(engine: Engine, source: Path, target: Path) -> None:
-    """Copy one data file through the engine's I/O backend (its directory entry is made
-    durable by the commit)."""
+def copy_file(engine: Engine, source: Path, target: Path, items: list[Item],
+              what: str) -> None:
+    """Copy one data file through the engine's I/O backend, checking the checksums of its
+    ``items`` on the way (``what``: the file, in errors); its directory entry is made durable
+    by the commit."""
     target.unlink(missing_ok=True)  # what a copy that died left of this file
     with _mapped(source) as (addr, size):
-        file = DataFile(target, None, engine.io, engine.bounce.pool, engine.submit)
+        checks = _start_checks(engine, addr, size, items, what)
+        file = None
         try:
+            file = DataFile(target, None, engine.io, engine.bounce.pool, engine.submit)
             file.preallocate(size)
             file.write([Piece(0, addr, size)])
+            _settle(checks)
         except BaseException:
-            file.abort()
+            if file is not None:
+                file.abort()
+            _settle(checks)  # a damaged block says more than what the write then hit
             raise
+        finally:
+            wait(checks)  # nothing reads the mapping once it is gone
         file.finish(size)
+
+
+def _start_checks(engine: Engine, addr: int, size: int, items: list[Item],
+                  what: str) -> list[Future]:
+    """Check the items' blocks at ``addr`` (a file of ``size`` bytes) on the checksum threads,
+    ``VERIFY_BYTES`` a task."""
+    tasks: list[list[_Span]] = [[]]
+    load = 0
+    for fqn, loc in items:
+        if loc.offset + loc.length > size:
+            raise CheckpointCorruptError(
+                f"{what}, item {fqn!r}: needs bytes {loc.offset}..{loc.offset + loc.length}, "
+                f"the file has {size}")
+        stride = max(1, VERIFY_BYTES // loc.block) * loc.block
+        for b0 in range(0, max(loc.length, 1), stride):
+            b1 = min(b0 + stride, loc.length)
+            if load >= VERIFY_BYTES:
+                tasks.append([])
+                load = 0
+            tasks[-1].append((fqn, loc, b0, b1))
+            load += b1 - b0
+    return [engine.compute(_check, addr, spans, what) for spans in tasks if spans]
+
+
+def _check(addr: int, spans: list[_Span], what: str) -> None:
+    for fqn, loc, b0, b1 in spans:
+        mem = memory_at(addr + loc.offset + b0, b1 - b0) if b1 > b0 else memoryview(b"")
+        verify_span([(b0, mem)], loc.checksums, loc.block, loc.length, f"{what}, item {fqn!r}")
+
+
+def _settle(checks: list[Future]) -> None:
+    """Wait for the checks; raise the first that failed (the others are not needed then)."""
+    for f in checks:
+        if f.exception() is not None:
+            for other in checks:
+                other.cancel()
+            raise f.exception()
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ class SaveHandle:
     persisted: Future | None = None
     reason: str = ""
     figures: SaveFigures = field(init=False)
+    raised: bool = field(default=False, init=False)  # result() raised the save's error
 
     def __post_init__(self) -> None:
         self.figures = SaveFigures(self.step, skipped=self.skipped)
@@ -61,10 +62,17 @@ class SaveHandle:
         return bool(self.reason)
 
     def result(self, timeout: float | None = None) -> None:
-        """Wait for the memory commit (and the persist, if any); raise what failed."""
-        self.committed.result(timeout)
-        if self.persisted is not None:
-            self.persisted.result(timeout)
+        """Wait for the memory commit (and the persist, if any); raise what failed (then
+        ``close()`` does not raise it again)."""
+        try:
+            self.committed.result(timeout)
+            if self.persisted is not None:
+                self.persisted.result(timeout)
+        except BaseException as exc:
+            self.raised = self.raised or any(
+                f is not None and f.done() and not f.cancelled() and f.exception() is exc
+                for f in (self.committed, self.persisted))
+            raise
 
 
 def failed_handle(step: int, error: BaseException) -> SaveHandle:

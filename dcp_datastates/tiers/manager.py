@@ -32,12 +32,14 @@ from ..engine import Engine, default_engine
 from ..sizes import parse_size
 from ..snapshot import layout, walk
 from .budget import Budget, check_max_overhead
+from .claims import TierClaims
 from .handles import SaveFigures, SaveHandle
 from .local_dcp import plain
 from .memory_save import MemorySaver
 from .persister import Persister
 from .ranks import Ranks
-from .restore import Restorer, newer_than, pick
+from .reports import Reports
+from .restore import Restorer, held, pick
 from .retention import Retention
 from .slots import SlotPool
 from .steps import committed_steps
@@ -77,7 +79,9 @@ class CheckpointManager:
         clock: what the budget measures time with (tests pass a fake).
 
     Under ``torch.distributed`` the manager makes gloo groups of its own (collectively, in the
-    constructor): make it on every rank at the same point.
+    constructor): make it on every rank at the same point. It claims its memory tier, and the
+    job (through rank 0) its durable tier (:mod:`.claims`): a second manager on either fails
+    here, naming the directory and the holder's pid.
     """
 
     def __init__(self, durable_dir: str | os.PathLike | None = None, *,
@@ -106,12 +110,20 @@ class CheckpointManager:
         self.history: list[SaveFigures] = []  # saves committed, then skipped ones at once
         self._budget = None if max_overhead is None else Budget(max_overhead, clock, ranks,
                                                                 self.history)
-        self._unreported: list[BaseException] = []  # errors of saves that wait() has to raise
+        self._reports = Reports()  # errors of saves that wait() or close() has to raise
         self._handles: list[SaveHandle] = []
         self._closed = False
         self._rollback: int | None = None  # step a load went back to, newer steps existing
-        self._wire()
-        self._persist_leftover("committed in memory by an earlier process")
+        self._claims = TierClaims(self.memory, self.durable, ranks)
+        try:
+            self._wire()
+            views = self._restorer.views()
+            self._taken = held(views)  # steps some tier holds: a save of one replaces it
+            if self._persister is not None:
+                self._persister.leftover(views, "committed in memory by an earlier process")
+        except BaseException:
+            self._claims.release()
+            raise
 
     def _wire(self) -> None:
         """Make the parts (and the groups, collectively, in the same order on every rank)."""
@@ -130,7 +142,7 @@ class CheckpointManager:
             self.persist_policy, self.durable, self._retention,
             keep=(self.keep_memory, self.keep_durable), ranks=self._ranks,
             engine=self._engine_now, after=self._after.submit, history=self.history,
-            errors=self._unreported)
+            errors=self._reports)
 
     @property
     def engine(self) -> Engine:
@@ -147,27 +159,30 @@ class CheckpointManager:
         the optimizer step wait for it). A tier without room fails this save with
         :class:`TierFullError` in its handle (logged; nothing is written) and training goes on.
         The first save after ``load`` of an older step removes the newer steps from the memory
-        tiers and moves the durable ones to ``durable_dir/.abandoned/<time>/`` (logged).
-        Under ``max_overhead``, a save that does not fit is skipped: its handle says why.
+        tiers and moves the durable ones to ``durable_dir/.abandoned/<time>/`` (logged). A step
+        saved again (a tier holds it already) replaces it in every tier: the old copies leave
+        the memory tiers and the durable one moves aside the same way (logged; this save waits
+        for the saves and persists before it first). Under ``max_overhead``, a save that does
+        not fit is skipped: its handle says why.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        if self._closed:
-            raise RuntimeError(f"CheckpointManager of {self.memory} is closed: no more saves")
+        self._check_open("no more saves")
         if self._rollback is not None:
             self._retention.set_aside(self._rollback)
+            self._taken = {s for s in self._taken if s <= self._rollback}
             self._rollback = None
         slot = self._slots.take(warn=self._budget is None) if self._slots is not None else None
         if self._budget is not None:
             skipped = self._budget.decide(step, self._slots, slot)
             if skipped is not None:
                 return skipped
+        if step in self._taken:
+            self._drain()  # nothing reads the old copies while they go
+            self._retention.replace(step)
+        self._taken.add(step)
         start = time.perf_counter()
-        newer = [s for s in committed_steps(self.memory) if s > step]
-        if newer:  # a rollback (load(step=older), then training on): the newer steps stay
-            log.warning("dcp_datastates: saving step %d while the memory tier holds newer "
-                        "steps %s (a rollback?): they stay, and latest_step() returns the "
-                        "newest of them until they are removed", step, newer)
+        _warn_of_newer(self.memory, step)
         handle = self._saver.start(step, plain(state), start, slot)
         if self._persister is not None:
             self._persister.after_save(handle)
@@ -180,12 +195,10 @@ class CheckpointManager:
     def prepare(self, state: dict) -> None:
         """Map and pin the memory tier's slots for states like ``state`` now (about 0.5 s per
         GiB each on a GPU host), rather than on the staging thread of the first saves."""
+        self._check_open("nothing to prepare")
         if self._slots is None:
             return
-        sources: list[torch.Tensor] = []
-        walk(plain(state), sources, {}, set())
-        _offsets, total = layout(sources)
-        self._slots.prepare(total, len(sources))
+        self._slots.prepare(*_snapshot_size(state))
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for_snapshots(self) -> None:
@@ -198,10 +211,12 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for every save so far: memory commits, replicas and persists; raise the first
-        error of those saves not reported yet (each is raised once; all are logged), also
-        where ``latest_step`` or ``load`` waited for them."""
+        error of those saves that no ``wait()`` raised yet (all are logged), also where
+        ``latest_step`` or ``load`` waited for them, and also where ``handle.result()`` raised
+        it (``close()`` then does not)."""
+        self._check_open("nothing to wait for")
         self._drain()
-        self._raise_unreported()
+        self._reports.raise_first()
 
     def _drain(self) -> None:
         """Wait for every save so far; keep their errors for :meth:`wait` to raise."""
@@ -210,24 +225,22 @@ class CheckpointManager:
             error = next((e for f in (h.committed, h.persisted) if f is not None
                           for e in [f.exception()] if e is not None), None)
             if error is not None:
-                self._unreported.append(error)
+                self._reports.append(error, h)
         if self._persister is not None:
             self._persister.drain()
         self._after.submit(lambda: None).result()
 
-    def _raise_unreported(self) -> None:
-        errors = []
-        while self._unreported:  # taken one by one, in place: the persist thread adds to it
-            errors.append(self._unreported.pop(0))
-        if errors:
-            raise errors[0]
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager of {self.memory} is closed: {what}")
 
     def close(self) -> None:
         """Wait for every save, persist the newest if the durable tier lacks it, then stop
-        the manager's threads (the engine stays). Raises the first error of the saves not yet
-        reported (or of that last persist), after all that: a save that failed on some ranks
-        only must not keep them out of the collective that the others are in.
-        Closing again does nothing."""
+        the manager's threads (the engine stays) and give up the claims of the tier
+        directories. Raises the first error of the saves that nothing raised yet (neither
+        ``wait()`` nor ``handle.result()``), or of that last persist, after all that: a save
+        that failed on some ranks only must not keep them out of the collective that the
+        others are in. Closing again does nothing; every other method raises RuntimeError."""
         if self._closed:
             return
         self._closed = True
@@ -242,7 +255,8 @@ class CheckpointManager:
                 self._persister.close()
             if self._slots is not None:
                 self._slots.close()
-        self._raise_unreported()
+            self._claims.release()
+        self._reports.raise_first(unraised_only=True)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -252,7 +266,9 @@ class CheckpointManager:
 
     # -- restore --------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
-        """The newest step committed and complete on every rank, in any tier (None: none)."""
+        """The newest step committed and complete on every rank, in any tier (None: none).
+        A step whose persist found it damaged is dropped from the memory tier: never this."""
+        self._check_open("no steps to tell")
         self._drain()
         return pick(self._restorer.views(), None)
 
@@ -262,22 +278,17 @@ class CheckpointManager:
         the durable tier. Returns the step; logs which tier.
 
         Loading a step older than the newest means going back: the next ``save`` sets the
-        newer steps aside (see :meth:`save`)."""
+        newer steps aside (see :meth:`save`). Without ``step``, a step that does not load on
+        some rank (damaged in every tier holding it: a checksum fails) gives way to the next
+        older one (logged as an error), so a run restarts from the newest step that verifies.
+        """
+        self._check_open("nothing to load")
         self._drain()
-        views = self._restorer.views()
-        chosen = pick(views, step)
-        if chosen is None:
-            where = f"step {step}" if step is not None else "a checkpoint"
-            raise FileNotFoundError(
-                f"no tier holds {where} complete on every rank (memory {self.memory}, durable "
-                f"{self.durable})")
-        newer = newer_than(views, chosen)
+        chosen, newer = self._restorer.restore(state, step)
         self._rollback = chosen if newer else None
         if newer:
             log.warning("dcp_datastates: loading step %d while steps %s are newer: the next save "
                         "sets them aside (training goes on from step %d)", chosen, newer, chosen)
-        self._restorer.fetch(views, chosen)
-        self._restorer.load(state, chosen)
         return chosen
 
     def _persist_leftover(self, what: str) -> None:
@@ -285,6 +296,23 @@ class CheckpointManager:
         durable checkpoint (one a process that died left, or the last of a run). Collective."""
         if self._persister is not None:
             self._persister.leftover(self._restorer.views(), what)
+
+
+def _warn_of_newer(memory: Path, step: int) -> None:
+    """Warn where the memory tier holds steps newer than ``step`` (they stay)."""
+    newer = [s for s in committed_steps(memory) if s > step]
+    if newer:  # a rollback (load(step=older), then training on): the newer steps stay
+        log.warning("dcp_datastates: saving step %d while the memory tier holds newer "
+                    "steps %s (a rollback?): they stay, and latest_step() returns the "
+                    "newest of them until they are removed", step, newer)
+
+
+def _snapshot_size(state: dict) -> tuple[int, int]:
+    """The bytes a snapshot of ``state`` takes, and its tensor count."""
+    sources: list[torch.Tensor] = []
+    walk(plain(state), sources, {}, set())
+    _offsets, total = layout(sources)
+    return total, len(sources)
 
 
 def _check_options(durable_dir: object, memory_dir: object, keep_memory: object,

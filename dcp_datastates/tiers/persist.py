@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..directory import DirectoryClaim, new_token
-from ..errors import CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError
 from ..jobs.commit import commit
 from ..jobs.copy import copy_checkpoint
 from ..metadata_file import read_metadata
@@ -38,15 +38,24 @@ PART_PREFIX = ".part."
 CLAIM_WAIT_S = 30.0
 
 
+class DamagedStepError(CheckpointCorruptError):
+    """A memory-tier checkpoint that a persist was to copy is damaged (a file missing or
+    short, a checksum that fails): nothing of it is committed in the durable tier."""
+
+
 def persist_part(engine: Engine, source: Path, target: Path, rank: int, world_size: int) -> bool:
     """Copy ``rank``'s memory-tier checkpoint ``source`` into the durable step ``target`` of a
-    job of ``world_size`` ranks; commit ``target`` if this completes its parts. Returns whether
-    ``target`` is committed."""
-    check_complete(source)
-    target.mkdir(parents=True, exist_ok=True)
-    if committed(target):
-        return True
-    copy_checkpoint(engine, source, target, part=target / f"{PART_PREFIX}{rank}")
+    job of ``world_size`` ranks, checking every checksum of it as it is copied; commit
+    ``target`` if this completes its parts. Returns whether ``target`` is committed. Raises
+    :class:`DamagedStepError` (naming the file and the item) where ``source`` is damaged."""
+    try:
+        check_complete(source)
+        target.mkdir(parents=True, exist_ok=True)
+        if committed(target):
+            return True
+        copy_checkpoint(engine, source, target, part=target / f"{PART_PREFIX}{rank}")
+    except CheckpointCorruptError as exc:
+        raise DamagedStepError(f"{source} is damaged, so it is not persisted: {exc}") from exc
     return commit_parts(target, world_size)
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from ..engine import Engine
 from .handles import SaveFigures, SaveHandle
-from .persist import persist_part
+from .persist import DamagedStepError, persist_part
 from .ranks import Ranks
+from .reports import Reports
 from .retention import Retention
 from .steps import committed_steps, complete, step_dir, steps
 
@@ -33,13 +34,13 @@ class Persister:
     ``ranks``: every rank, on the manager's group (save-time decisions); ``chain``: the same
     ranks on the persist thread's group (the ``"idle"`` chain); ``after``: runs a call on the
     thread that keeps the tiers in save order; ``history``: the figures of the saves;
-    ``errors``: where errors no handle carries are kept for ``wait`` to raise.
+    ``errors``: where errors no handle carries are kept for ``wait`` and ``close`` to raise.
     """
 
     def __init__(self, policy: int | str, durable: Path, retention: Retention, *,
                  keep: tuple[int, int | None], ranks: Ranks, engine: Callable[[], Engine],
                  after: Callable[..., object], history: list[SaveFigures],
-                 errors: list[BaseException]) -> None:
+                 errors: Reports) -> None:
         self.policy, self.durable, self.retention = policy, durable, retention
         self.memory = retention.memory
         self.keep_memory, self.keep_durable = keep
@@ -155,6 +156,11 @@ class Persister:
                                     self.ranks.rank, self.ranks.world)
         except BaseException as exc:  # noqa: BLE001 - the caller raises or records it
             log.error("dcp_datastates: persist of step %d to %s failed: %s", step, target, exc)
+            if isinstance(exc, DamagedStepError):  # it would not load either: no checkpoint
+                log.error("dcp_datastates: step %d is dropped from the memory tier %s: it is "
+                          "damaged", step, self.memory)
+                with contextlib.suppress(RuntimeError):  # the manager is closing
+                    self.after(self.retention.drop, self.memory, step)
             return exc
         finally:
             # retention left this step while it was read: drop it now if it is beyond keep_memory

@@ -46,14 +46,14 @@ def holder(views: list[dict], owner: int, step: int) -> int | None:
     return None
 
 
-def pick(views: list[dict], step: int | None) -> int | None:
-    """The newest step (or ``step``) every rank can restore: from its memory tier, a peer's
-    replica of it, or the durable tier."""
+def pick(views: list[dict], step: int | None, below: int | None = None) -> int | None:
+    """The newest step (or ``step``; older than ``below``, if given) every rank can restore:
+    from its memory tier, a peer's replica of it, or the durable tier."""
     durable = set(views[0]["durable"])
     candidates = durable.union(*(v["memory"] for v in views),
                                *(s for v in views for s in v["replicas"].values()))
     for s in sorted(candidates, reverse=True):
-        if step is not None and s != step:
+        if (step is not None and s != step) or (below is not None and s >= below):
             continue
         if all(s in v["memory"] or s in durable or holder(views, r, s) is not None
                for r, v in enumerate(views)):
@@ -61,11 +61,15 @@ def pick(views: list[dict], step: int | None) -> int | None:
     return None
 
 
+def held(views: list[dict]) -> set[int]:
+    """Every step some rank holds in some tier."""
+    return {s for v in views for s in (*v["memory"], *v["durable"],
+                                       *(x for r in v["replicas"].values() for x in r))}
+
+
 def newer_than(views: list[dict], step: int) -> list[int]:
     """Steps newer than ``step`` that some rank holds in some tier."""
-    return sorted({s for v in views for s in (*v["memory"], *v["durable"],
-                                              *(x for r in v["replicas"].values() for x in r))
-                   if s > step})
+    return sorted(s for s in held(views) if s > step)
 
 
 class Restorer:
@@ -81,6 +85,38 @@ class Restorer:
         """Every rank's view, by rank (collective)."""
         owners = range(self.ranks.world) if self.replicate else range(0)
         return self.ranks.gather(view(self.memory, self.durable, owners))
+
+    def restore(self, state: dict, step: int | None) -> tuple[int, list[int]]:
+        """Load ``step`` (None: the newest step every rank can restore) into ``state``, on
+        every rank. Without ``step``, a step that does not load on some rank (damaged: a
+        checksum fails in every tier holding it) gives way to the next older one, on every
+        rank (logged as an error). Returns the step loaded and the newer steps some tier
+        holds (collective)."""
+        views = self.views()
+        chosen, failures = pick(views, step), []
+        while chosen is not None:
+            self.fetch(views, chosen)
+            try:
+                self.load(state, chosen)
+                error = None
+            except (CheckpointError, OSError) as exc:
+                error = exc
+            bad = [(r, e) for r, e in enumerate(self.ranks.gather(error and str(error)))
+                   if e is not None]
+            if not bad:
+                return chosen, newer_than(views, chosen)
+            failures.append(f"step {chosen}: rank {bad[0][0]}: {bad[0][1]}")
+            if step is not None:
+                raise error or CheckpointError(failures[-1])
+            log.error("dcp_datastates: step %d does not load (%s); falling back to the next "
+                      "older step", chosen, "; ".join(f"rank {r}: {e}" for r, e in bad))
+            chosen = pick(views, None, below=chosen)
+        if failures:
+            raise CheckpointError(f"no step loads: {'; '.join(failures)}")
+        where = f"step {step}" if step is not None else "a checkpoint"
+        raise FileNotFoundError(
+            f"no tier holds {where} complete on every rank (memory {self.memory}, durable "
+            f"{self.durable})")
 
     def fetch(self, views: list[dict], step: int) -> None:
         """Bring ``step`` back into the memory tiers that lack it from the peers' replicas

@@ -4,7 +4,7 @@ Each tier keeps its newest ``keep`` committed steps (unfinished ones older than 
 committed go too), except memory steps marked as being read (a persist, a replica send): those
 stay until read, and retention runs again after. A dropped memory step's ``.metadata`` goes
 first, then its data file goes back to being a free slot. Going back (``load`` of an older step,
-then training on) sets the newer steps aside.
+then training on) sets the newer steps aside; a step saved again is set aside the same way.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..directory import new_token
 from . import replica
 from .ranks import Ranks
 from .slots import SlotPool
@@ -87,16 +88,36 @@ class Retention:
         belong to the run that was left. They leave the memory tiers, and the durable ones move
         to ``durable_dir/.abandoned/<time>/`` (kept, no longer taken for checkpoints of this
         run), so a later step of the same number is saved and persisted anew. Collective."""
+        self._put_aside(lambda s: s > after, f"training went on from step {after}")
+
+    def replace(self, step: int) -> None:
+        """``step`` is saved again: its copies leave the memory tiers and its durable copy
+        moves to ``durable_dir/.abandoned/<time>/``, so that no tier holds the old state under
+        that step once the new save commits. Collective."""
+        self._put_aside(lambda s: s == step, f"step {step} is saved again")
+
+    def _put_aside(self, which: Callable[[int], bool], why: str) -> None:
         for root in self.memory_roots():
             for s in steps(root):
-                if s > after:
+                if which(s):
                     self.drop(root, s)
-        newer = [s for s in steps(self.durable) if s > after] if self.durable else []
-        if newer and self.ranks.rank == 0:
-            aside = self.durable / ".abandoned" / time.strftime("%Y%m%dT%H%M%S")
-            aside.mkdir(parents=True, exist_ok=True)
-            for s in newer:
+        moving = [s for s in steps(self.durable) if which(s)] if self.durable else []
+        if moving and self.ranks.rank == 0:
+            aside = _new_aside(self.durable / ".abandoned")
+            for s in moving:
                 os.rename(step_dir(self.durable, s), aside / step_dir(self.durable, s).name)
-            log.warning("dcp_datastates: training went on from step %d: the newer durable "
-                        "steps %s were moved to %s", after, newer, aside)
+            log.warning("dcp_datastates: %s: the durable steps %s were moved to %s", why,
+                        moving, aside)
         self.ranks.barrier()  # no rank persists into a step being moved
+
+
+def _new_aside(root: Path) -> Path:
+    """A new directory ``root/<time>`` (``<time>-<token>`` where that one exists)."""
+    root.mkdir(parents=True, exist_ok=True)
+    name = time.strftime("%Y%m%dT%H%M%S")
+    while True:
+        try:
+            (root / name).mkdir()
+            return root / name
+        except FileExistsError:
+            name = f"{time.strftime('%Y%m%dT%H%M%S')}-{new_token()[:6]}"
