@@ -533,3 +533,26 @@ def test_going_back_sets_the_newer_steps_aside_on_every_rank(world: World, nodes
         assert_state_equal(got, {k: v for k, v in rank_state(world.rank, 13).items()
                                  if k == f"rank{world.rank}"})
     agree(errors, "durable tier after going back")
+
+
+# -- a manager not closed ------------------------------------------------------------------------
+def test_engine_close_finishes_an_unclosed_manager_without_collectives(
+        world: World, nodes: Path, shared: Path, logs) -> None:
+    """Several ranks, a manager never closed, then its engine closed (as at interpreter exit):
+    on each rank alone its saves are committed in memory, and the step the durable tier lacks
+    is named in one warning (no rank waits for the others there)."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "unclosed"
+    engine = Engine(host_cache_size="8MiB", io_backend="threads", io_workers=2)
+    manager = CheckpointManager(durable, memory_dir=mine, persist=3, engine=engine)
+    handles = [manager.save(step, rank_state(world.rank, step)) for step in (1, 2)]
+    engine.close()  # finishes the manager: no collective, so ranks need not be in step
+    errors: list[str] = []
+    with collecting(errors, "unclosed manager"):
+        assert all(h.committed.done() and h.committed.exception() is None for h in handles)
+        assert committed_steps(mine) == [1, 2]
+        assert committed_steps(durable) == []
+        warned = [r.getMessage() for r in logs.records if r.levelno == logging.WARNING
+                  and "CheckpointManager was not closed: step 2" in r.getMessage()]
+        assert len(warned) == 1 and str(mine) in warned[0], warned
+    agree(errors, "a manager not closed, on several ranks")

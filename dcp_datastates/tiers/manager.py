@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,8 @@ from .ranks import Ranks
 from .restore import Restorer, newer_than, pick
 from .retention import Retention
 from .slots import SlotPool
-from .steps import committed_steps
+from .steps import committed_steps, remove_dead_unfinished
+from .unclosed import Unclosed
 
 log = logging.getLogger("dcp_datastates")
 
@@ -52,8 +54,8 @@ class CheckpointManager:
         durable_dir: where persisted checkpoints go (shared or local file system); None keeps
             checkpoints in memory only.
         memory_dir: this rank's memory tier; default
-            ``/dev/shm/dcp_datastates/<hash of durable_dir>/rank_<rank>``. Give every rank of
-            a node its own directory (the default does).
+            ``/dev/shm/dcp_datastates/<durable_dir's last names>-<hash>/rank_<rank>``. Give
+            every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (each rank keeps this many, plus up to two
             being written and one being persisted: size the tier for ``keep_memory + 3``
             states).
@@ -95,6 +97,7 @@ class CheckpointManager:
         self.memory = (Path(os.path.expanduser(memory_dir)).absolute() if memory_dir
                        else _default_memory_dir(self.durable, self.rank))
         self.memory.mkdir(parents=True, exist_ok=True)
+        remove_dead_unfinished(self.memory)
         self.keep_memory, self.keep_durable = keep_memory, keep_durable
         self.memory_limit = None if memory_limit is None else parse_size(
             memory_limit, name="memory_limit")
@@ -111,6 +114,7 @@ class CheckpointManager:
         self._closed = False
         self._rollback: int | None = None  # step a load went back to, newer steps existing
         self._wire()
+        self._unclosed = Unclosed.track(self)  # the engine's close finishes it: exit too
         self._persist_leftover("committed in memory by an earlier process")
 
     def _wire(self) -> None:
@@ -236,13 +240,18 @@ class CheckpointManager:
             self._persist_leftover("the newest checkpoint")
             self._drain()
         finally:
-            self._saver.close()
-            self._after.shutdown(wait=True)
-            if self._persister is not None:
-                self._persister.close()
-            if self._slots is not None:
-                self._slots.close()
+            self._stop()
         self._raise_unreported()
+
+    def _stop(self) -> None:
+        """Stop the manager's threads (once its saves are over) and unmap its slots."""
+        self._unclosed.untrack()
+        self._saver.close()
+        self._after.shutdown(wait=True)
+        if self._persister is not None:
+            self._persister.close()
+        if self._slots is not None:
+            self._slots.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -303,5 +312,9 @@ def _check_options(durable_dir: object, memory_dir: object, keep_memory: object,
 
 
 def _default_memory_dir(durable: Path | None, rank: int) -> Path:
+    """``/dev/shm/dcp_datastates/<durable_dir's last two names>-<hash of durable_dir>/rank_<r>``:
+    the name says whose tier it is, the hash keeps tiers of equally named runs apart."""
     tag = hashlib.sha1(str(durable).encode()).hexdigest()[:12]
-    return Path("/dev/shm/dcp_datastates") / tag / f"rank_{rank}"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(durable.parts[-2:]) if durable else "")
+    name = name[-48:].strip("_")
+    return Path("/dev/shm/dcp_datastates") / (f"{name}-{tag}" if name else tag) / f"rank_{rank}"
