@@ -5,17 +5,19 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-APT_PACKAGES := cmake gcc make liburing-dev libxxhash-dev openmpi-bin libopenmpi-dev
+APT_PACKAGES := cmake gcc make liburing-dev libxxhash-dev
+MPI_APT_PACKAGES := openmpi-bin libopenmpi-dev  # only the multi-rank tests need them
 SHIM := dcp_datastates/_lib/libdcp_uring.so
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 600 mpirun --oversubscribe
 MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py tests/test_tiers_mpi.py \
              tests/test_budget_mpi.py
 
-.PHONY: setup native demo test test-mpi test-package lint bench clean distclean FORCE
+.PHONY: setup mpi native demo test test-mpi test-package lint bench clean distclean FORCE
 
 ## setup: system packages, then in .venv PyTorch (CPU wheel, pinned, first so that pip never
 ## picks a CUDA build) and the package (editable, which builds the shim) with its test tools;
 ## done again only when pyproject.toml, this Makefile or the package's directories change
+## (Open MPI, which only the multi-rank tests need, is the target mpi)
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
 	@pkgs="$(APT_PACKAGES)"; $(PYTHON) -c 'import ensurepip' 2>/dev/null || pkgs="$$pkgs python3-venv"; \
@@ -27,6 +29,11 @@ $(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
 	$(PY) -m pip install -q -e ".[test,bench]" tyro
 	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
 	touch $@
+
+## mpi: Open MPI (mpirun, and the library mpi4py's wheel loads), for test-mpi only
+mpi:
+	@dpkg -s $(MPI_APT_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(MPI_APT_PACKAGES); }
 
 # The editable install maps the package's directories as they are when it is made (a directory
 # made later, or given an __init__.py later, is not seen): this file changes when they do.
@@ -53,7 +60,7 @@ test: native lint
 	timeout 1800 $(PY) -m pytest -q tests  # a hang fails the run rather than holding CI
 	$(MAKE) --no-print-directory test-mpi
 
-test-mpi: native
+test-mpi: native mpi
 	$(MPIRUN) -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
 	$(MPIRUN) -n 4 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
 

@@ -7,13 +7,15 @@ side streams, the I/O backend, and the executors. Writers and readers are thin a
 hand each save or load to a job (``jobs/``); a job owns what it holds and gives it back
 explicitly. The engine knows jobs only as :class:`Work` that ``close()`` waits for: the save
 order that ``jobs/ordering.py`` attaches to it, and each load in progress. ``close()`` frees
-everything; the default engine is closed at exit.
+everything. Every engine is closed at interpreter exit, early enough for saves in progress to
+finish (:func:`_close_at_exit`).
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -24,7 +26,7 @@ from typing import Protocol, TypeVar
 from . import cuda_copy
 from .align import round_up
 from .host_cache import Arena, Lease
-from .io import IOBackend, make_backend
+from .io import FALLBACK, IOBackend, make_backend
 from .sizes import format_size, parse_size
 
 log = logging.getLogger("dcp_datastates")
@@ -171,7 +173,7 @@ class Engine:
         if isinstance(io_backend, str):
             self.io, message = make_backend(io_backend)
             self._owns_io = True
-            log.info(message)
+            log.log(logging.WARNING if FALLBACK in message else logging.INFO, message)
         else:
             self.io, self._owns_io = io_backend, False
         self.cuda = cuda_copy.CudaCopier() if cuda_copy.available() else None
@@ -190,8 +192,10 @@ class Engine:
         self._retiring: list[Arena] = []
         self._file_arenas: list[Arena] = []  # memory-tier slots mapped through map_file
         self.saves: Saves | None = None  # attached by jobs/ordering.py at the first save
-        self._work: list[Work] = []  # loads in progress
+        self._work: list[Work] = []  # loads in progress, managers not closed
         self.closed = False
+        self.exiting = False  # the interpreter exits: a save that fails now is lost (logged)
+        self._exit_hook = _hook_exit(self)  # emptied by close(): the hook lets go
 
     # -- context manager ------------------------------------------------------------------------
     def __enter__(self) -> Engine:
@@ -306,7 +310,7 @@ class Engine:
             return self.saves
 
     def track(self, work: Work) -> None:
-        """``close()`` waits for ``work`` (a load) until :meth:`untrack`."""
+        """``close()`` waits for ``work`` (a load, a manager) until :meth:`untrack`."""
         with self._lock:
             self.check_open()
             self._work.append(work)
@@ -319,7 +323,10 @@ class Engine:
     def new_save_job(self) -> object:
         """A save job of the engine's save order (attached by the first writer's save)."""
         self.check_open()
-        return self._attached().new_job()
+        if self.saves is None:
+            raise RuntimeError("no save order is attached to this engine: saves are made by "
+                               "DataStatesWriter")
+        return self.saves.new_job()
 
     def reap_abandoned(self) -> None:
         """End the saves DCP abandoned (the save order's rules)."""
@@ -330,12 +337,6 @@ class Engine:
         """Block until every snapshot staged so far has been copied (failed ones included)."""
         if self.saves is not None:
             self.saves.wait_for_snapshots()
-
-    def _attached(self) -> Saves:
-        if self.saves is None:
-            raise RuntimeError("no save order is attached to this engine: saves are made by "
-                               "DataStatesWriter")
-        return self.saves
 
     # -- executors ------------------------------------------------------------------------------
     def submit(self, fn: Callable, *args: object):
@@ -354,9 +355,9 @@ class Engine:
             raise RuntimeError("this dcp_datastates Engine is closed")
 
     def close(self, timeout: float = 60.0) -> None:
-        """Wait (up to ``timeout`` s) for saves and loads in progress, then free the caches,
-        streams, threads and backend. A save or load still running then is ended with an
-        error."""
+        """Wait (up to ``timeout`` s; ``math.inf``: as long as they take) for saves and loads
+        in progress, then free the caches, streams, threads and backend. A save or load still
+        running then is ended with an error."""
         deadline = time.monotonic() + timeout
         with self._lock:
             work = [] if self.closed else [*self._work, *([self.saves] if self.saves else [])]
@@ -366,6 +367,7 @@ class Engine:
             if self.closed:
                 return
             self.closed = True
+            self._exit_hook.clear()
             work, self._work = [*self._work, *([self.saves] if self.saves else [])], []
         for w in work:
             w.end()
@@ -406,12 +408,33 @@ def current_default() -> Engine | None:
     return engine if engine is not None and not engine.closed else None
 
 
-def _close_default() -> None:
-    global _default
-    with _default_lock:
-        engine, _default = _default, None
-    if engine is not None:
-        engine.close(timeout=5.0)
+def _hook_exit(engine: Engine) -> list[Engine]:
+    """Have :func:`_close_at_exit` close ``engine`` at interpreter exit (through CPython's
+    ``threading._register_atexit``, the hook ``concurrent.futures`` itself uses); the list
+    returned holds the engine until ``close()`` empties it."""
+    hook = [engine]
+    with contextlib.suppress(RuntimeError):  # made while exiting: no hook any more
+        threading._register_atexit(_close_at_exit, hook, os.getpid())
+    return hook
+
+
+def _close_at_exit(hook: list[Engine], pid: int) -> None:
+    """Close an engine at interpreter exit, waiting for its saves as long as they take.
+
+    A ``threading`` exit hook: it runs before the non-daemon threads are joined, and before
+    ``concurrent.futures``' own hook (registered earlier, run later), which stops every
+    executor taking new work. A save in flight (DCP's upload thread) then still has the
+    engine's executors to finish with, as DCP's own writer finishes it; one that fails now
+    says so (``SaveJob.end``). Does nothing in a forked child (multiprocessing runs the hooks
+    there too) or once the engine is closed."""
+    if os.getpid() != pid or not hook:
+        return
+    engine = hook[0]
+    engine.exiting = True
+    try:
+        engine.close(timeout=math.inf)
+    except Exception as exc:  # noqa: BLE001 - an exit hook that raises skips the later ones
+        log.warning("dcp_datastates: closing the engine at exit failed: %s", exc)
 
 
 def _forget_default_in_child() -> None:
@@ -420,5 +443,4 @@ def _forget_default_in_child() -> None:
     _default, _default_lock = None, threading.Lock()
 
 
-atexit.register(_close_default)
 os.register_at_fork(after_in_child=_forget_default_in_child)

@@ -137,16 +137,24 @@ def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
     fsync_dir(directory)
 
 
+def _no_metadata(directory: Path) -> OSError:
+    """Why ``directory`` has no ``.metadata``: it does not exist, it is a file, or it holds no
+    committed checkpoint."""
+    if not directory.is_dir() and os.path.lexists(directory):
+        return NotADirectoryError(f"{directory} is a file, not a checkpoint directory")
+    why = ("the directory does not exist" if not os.path.lexists(directory)
+           else "an unfinished or failed save leaves none")
+    return FileNotFoundError(
+        f"{directory} is not a checkpoint: {METADATA_NAME} is missing ({why})")
+
+
 def read_metadata(directory: Path) -> Metadata:
     """Load ``directory/.metadata``, allowing only DCP's metadata classes (no arbitrary pickle)."""
     path = directory / METADATA_NAME
     try:
         fd = open_regular(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{directory} is not a checkpoint: {METADATA_NAME} is missing (an unfinished or "
-            f"failed save leaves none)"
-        ) from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise _no_metadata(directory) from None
     except OSError as exc:
         raise CheckpointCorruptError(f"{path} {exc.strerror}") from None
     try:

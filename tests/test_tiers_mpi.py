@@ -566,3 +566,26 @@ def test_one_job_claims_the_durable_tier_each_rank_its_memory_tier(
     with collecting(errors, "persisted"):
         assert committed_steps(durable) == [1]
     agree(errors, f"one claim of the durable tier on {world.size} ranks")
+
+
+# -- a manager not closed ------------------------------------------------------------------------
+def test_engine_close_finishes_an_unclosed_manager_without_collectives(
+        world: World, nodes: Path, shared: Path, logs) -> None:
+    """Several ranks, a manager never closed, then its engine closed (as at interpreter exit):
+    on each rank alone its saves are committed in memory, and the step the durable tier lacks
+    is named in one warning (no rank waits for the others there)."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "unclosed"
+    engine = Engine(host_cache_size="8MiB", io_backend="threads", io_workers=2)
+    manager = CheckpointManager(durable, memory_dir=mine, persist=3, engine=engine)
+    handles = [manager.save(step, rank_state(world.rank, step)) for step in (1, 2)]
+    engine.close()  # finishes the manager: no collective, so ranks need not be in step
+    errors: list[str] = []
+    with collecting(errors, "unclosed manager"):
+        assert all(h.committed.done() and h.committed.exception() is None for h in handles)
+        assert committed_steps(mine) == [1, 2]
+        assert committed_steps(durable) == []
+        warned = [r.getMessage() for r in logs.records if r.levelno == logging.WARNING
+                  and "CheckpointManager was not closed: step 2" in r.getMessage()]
+        assert len(warned) == 1 and str(mine) in warned[0], warned
+    agree(errors, "a manager not closed, on several ranks")

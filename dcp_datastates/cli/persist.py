@@ -20,8 +20,9 @@ the newest step complete in the memory tiers given, if it is newer than every
 step committed in DURABLE_DIR.
 
 MEMORY_DIR is one rank's memory tier (holding step_<N> directories, e.g.
-/dev/shm/dcp_datastates/<hash>/rank_0) or a job's memory root holding rank_<r>
-tiers (/dev/shm/dcp_datastates/<hash>); give several to name the tiers of every
+/dev/shm/dcp_datastates/<run>-<hash>/rank_0, <run> being the last names of
+the durable_dir) or a job's memory root holding rank_<r> tiers
+(/dev/shm/dcp_datastates/<run>-<hash>); give several to name the tiers of every
 rank. A rank's part comes from its own tier, else from a peer's replica of it
 (replicate=True), else from a part already in DURABLE_DIR/step_<N>. With the
 ranks spread over several nodes and no replicas, run it on each node with
@@ -50,7 +51,7 @@ def cmd_persist(args: argparse.Namespace) -> int:
     memory = [cli_path(m) for m in args.memory]
     with command_engine(args) as engine:
         outcome = persist_job(engine, memory, cli_path(args.durable), args.step,
-                              partial=args.partial)
+                              partial=args.partial, parents=args.parents)
     for note in outcome.notes:
         print(f"note: {note}", file=sys.stderr)
     if not outcome.written:
@@ -78,9 +79,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a rank's memory tier, or a job's memory root of rank_<r> tiers")
     p.add_argument("durable", metavar="DURABLE_DIR",
                    help="the durable tier (CheckpointManager's durable_dir; created if its "
-                        "parent exists)")
+                        "parent exists, or with --parents)")
     p.add_argument("--step", type=_step, default=None,
                    help="the step to persist (default: the newest complete one)")
     p.add_argument("--partial", action="store_true",
                    help="write the parts found even if other ranks' are missing (needs --step)")
+    p.add_argument("--parents", action="store_true",
+                   help="create DURABLE_DIR's missing parent directories (as mkdir -p); without "
+                        "it a missing parent is refused, as a mistyped path would be")
     p.set_defaults(func=cmd_persist)

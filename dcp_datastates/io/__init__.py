@@ -15,6 +15,7 @@ from .uring import UringBackend, UringUnavailable
 __all__ = [
     "BACKENDS",
     "ENV_VAR",
+    "FALLBACK",
     "IOBackend",
     "IOReq",
     "ThreadPoolBackend",
@@ -25,6 +26,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "uring", "threads")
+#: In :func:`make_backend`'s message where ``auto`` could not use io_uring (worth a warning).
+FALLBACK = "falling back to the thread-pool I/O backend"
 ENV_VAR = "DCP_DATASTATES_IO"
 
 
@@ -52,5 +55,5 @@ def make_backend(name: str = "auto") -> tuple[IOBackend, str]:
     except UringUnavailable as e:
         if name == "uring":
             raise
-        msg = f"dcp_datastates: {e.reason}; falling back to the thread-pool I/O backend"
+        msg = f"dcp_datastates: {e.reason}; {FALLBACK}"
         return ThreadPoolBackend(), msg

@@ -229,6 +229,10 @@ class SaveJob:
             self.stats.durable_s = time.perf_counter() - self.stats.start
             if self.stats.bytes_written:
                 self.stats.log()
+        elif self.engine.exiting:  # no one is left to read the save's future
+            log.warning("dcp_datastates: save %d into %s lost at exit: %s (a checkpoint "
+                        "committed there before is intact)", self.ticket, self.directory,
+                        error)
         for future in (self.tie.staged, self.committed):
             if not future.done():
                 if error is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,8 @@ from .reports import Reports
 from .restore import Restorer, held, pick
 from .retention import Retention
 from .slots import SlotPool
-from .steps import committed_steps
+from .steps import committed_steps, remove_dead_unfinished
+from .unclosed import Unclosed
 
 log = logging.getLogger("dcp_datastates")
 
@@ -54,8 +56,8 @@ class CheckpointManager:
         durable_dir: where persisted checkpoints go (shared or local file system); None keeps
             checkpoints in memory only.
         memory_dir: this rank's memory tier; default
-            ``/dev/shm/dcp_datastates/<hash of durable_dir>/rank_<rank>``. Give every rank of
-            a node its own directory (the default does).
+            ``/dev/shm/dcp_datastates/<durable_dir's last names>-<hash>/rank_<rank>``. Give
+            every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (each rank keeps this many, plus up to two
             being written and one being persisted: size the tier for ``keep_memory + 3``
             states).
@@ -96,9 +98,7 @@ class CheckpointManager:
         ranks = self._ranks = Ranks.here()
         self.rank, self.world = ranks.rank, ranks.world
         self.durable = Path(os.path.expanduser(durable_dir)).absolute() if durable_dir else None
-        self.memory = (Path(os.path.expanduser(memory_dir)).absolute() if memory_dir
-                       else _default_memory_dir(self.durable, self.rank))
-        self.memory.mkdir(parents=True, exist_ok=True)
+        self.memory = _memory_tier(memory_dir, self.durable, self.rank)
         self.keep_memory, self.keep_durable = keep_memory, keep_durable
         self.memory_limit = None if memory_limit is None else parse_size(
             memory_limit, name="memory_limit")
@@ -117,6 +117,7 @@ class CheckpointManager:
         self._claims = TierClaims(self.memory, self.durable, ranks)
         try:
             self._wire()
+            self._unclosed = Unclosed.track(self)  # the engine's close finishes it: exit too
             views = self._restorer.views()
             self._taken = held(views)  # steps some tier holds: a save of one replaces it
             if self._persister is not None:
@@ -246,17 +247,23 @@ class CheckpointManager:
         self._closed = True
         try:
             self._drain()
-            self._persist_leftover("the newest checkpoint")
+            if self._persister is not None:
+                self._persister.leftover(self._restorer.views(), "the newest checkpoint")
             self._drain()
         finally:
-            self._saver.close()
-            self._after.shutdown(wait=True)
-            if self._persister is not None:
-                self._persister.close()
-            if self._slots is not None:
-                self._slots.close()
-            self._claims.release()
+            self._stop()
         self._reports.raise_first(unraised_only=True)
+
+    def _stop(self) -> None:
+        """Stop the manager's threads (once its saves are over) and unmap its slots."""
+        self._unclosed.untrack()
+        self._saver.close()
+        self._after.shutdown(wait=True)
+        if self._persister is not None:
+            self._persister.close()
+        if self._slots is not None:
+            self._slots.close()
+        self._claims.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -291,11 +298,16 @@ class CheckpointManager:
                         "sets them aside (training goes on from step %d)", chosen, newer, chosen)
         return chosen
 
-    def _persist_leftover(self, what: str) -> None:
-        """Persist the newest step every rank committed in memory, if it is newer than every
-        durable checkpoint (one a process that died left, or the last of a run). Collective."""
-        if self._persister is not None:
-            self._persister.leftover(self._restorer.views(), what)
+
+
+def _memory_tier(memory_dir: str | os.PathLike | None, durable: Path | None,
+                 rank: int) -> Path:
+    """This rank's memory tier (made if need be; unfinished steps of dead processes removed)."""
+    memory = (Path(os.path.expanduser(memory_dir)).absolute() if memory_dir
+              else _default_memory_dir(durable, rank))
+    memory.mkdir(parents=True, exist_ok=True)
+    remove_dead_unfinished(memory)
+    return memory
 
 
 def _warn_of_newer(memory: Path, step: int) -> None:
@@ -331,5 +343,9 @@ def _check_options(durable_dir: object, memory_dir: object, keep_memory: object,
 
 
 def _default_memory_dir(durable: Path | None, rank: int) -> Path:
+    """``/dev/shm/dcp_datastates/<durable_dir's last two names>-<hash of durable_dir>/rank_<r>``:
+    the name says whose tier it is, the hash keeps tiers of equally named runs apart."""
     tag = hashlib.sha1(str(durable).encode()).hexdigest()[:12]
-    return Path("/dev/shm/dcp_datastates") / tag / f"rank_{rank}"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(durable.parts[-2:]) if durable else "")
+    name = name[-48:].strip("_")
+    return Path("/dev/shm/dcp_datastates") / (f"{name}-{tag}" if name else tag) / f"rank_{rank}"

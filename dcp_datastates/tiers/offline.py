@@ -177,20 +177,21 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def persist_job(engine: Engine, memory: list[Path], durable: Path, step: int | None = None,
-                *, partial: bool = False) -> Outcome:
+                *, partial: bool = False, parents: bool = False) -> Outcome:
     """Persist ``step`` (default: the newest step complete in ``memory``, if it is newer than
     every step committed in ``durable``) of a job from its memory tiers ``memory`` (each a
     rank's tier or a job's root of ``rank_<r>`` tiers) into ``durable``.
 
     Raises (before writing anything) where the step is not committed in ``memory``, or a
     rank's part of it is in none of ``memory`` (unless ``partial``: then the parts found are
-    written and the step is committed by the run that adds the last one)."""
+    written and the step is committed by the run that adds the last one). ``durable``'s
+    parent must exist, unless ``parents`` (then missing parents are created)."""
     if partial and step is None:
         raise ValueError("--partial needs --step: every node must persist the same step")
     tiers: list[Path] = []
     for arg in memory:
         tiers += [t for t in memory_tiers(arg) if t.resolve() not in {x.resolve() for x in tiers}]
-    _check_durable(durable, tiers)
+    _check_durable(durable, tiers, parents)
     found, notes = sources(tiers)
     given = ", ".join(map(str, memory))
     if step is None:
@@ -258,12 +259,12 @@ def _write(engine: Engine, plan: _Plan, step: int, target: Path, notes: list[str
     return outcome
 
 
-def _check_durable(durable: Path, tiers: list[Path]) -> None:
+def _check_durable(durable: Path, tiers: list[Path], parents: bool) -> None:
     if durable.exists() and not durable.is_dir():
         raise NotADirectoryError(f"durable tier {durable} is not a directory")
-    if not durable.exists() and not durable.parent.is_dir():
+    if not durable.exists() and not durable.parent.is_dir() and not parents:
         raise FileNotFoundError(f"durable tier {durable}: its parent directory "
-                                f"{durable.parent} does not exist")
+                                f"{durable.parent} does not exist (--parents creates it)")
     where = Path(os.path.realpath(durable))
     for t in tiers:
         real = Path(os.path.realpath(t))

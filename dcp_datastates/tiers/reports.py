@@ -27,6 +27,12 @@ class Reports:
             if all(error is not e for e, _h in self._pending):
                 self._pending.append((error, handle))
 
+    def take(self) -> list[BaseException]:
+        """The errors kept (forgetting them), for a caller with no one to raise them to."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        return [error for error, _handle in pending]
+
     def raise_first(self, *, unraised_only: bool = False) -> None:
         """Raise the first error kept (with ``unraised_only``, the first that no
         ``handle.result()`` raised), forgetting them all."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from ..align import ALIGN, round_up
 from ..directory import new_token
 from ..host_cache import Arena, Lease
+from .steps import alive
 
 log = logging.getLogger("dcp_datastates")
 
@@ -207,15 +208,5 @@ def _remove_dead_pools(memory: Path) -> None:
     """Delete slot directories of processes that are gone."""
     for entry in memory.glob(f"{SLOT_DIR_PREFIX}*"):
         pid = entry.name[len(SLOT_DIR_PREFIX):].split(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -15,15 +15,16 @@ and every function here follows it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..directory import new_token
+from ..directory import DirectoryClaim, new_token
 from ..entries import check_locations
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from ..metadata_file import METADATA_NAME, read_metadata
 
 STEP_RE = re.compile(r"^step_(\d+)$")
@@ -32,6 +33,8 @@ RECORD_NAME = ".tier.json"
 NAMING_NAME = ".dcp_datastates-steps"
 #: The prefixes a tier may name its step directories with: ours, torchtitan's.
 PREFIXES = {"step_": STEP_RE, "step-": re.compile(r"^step-(\d+)$")}
+
+log = logging.getLogger("dcp_datastates")
 
 
 def step_prefix(root: Path) -> str:
@@ -74,11 +77,13 @@ def step_dir(root: Path, step: int) -> Path:
 
 @dataclass(frozen=True)
 class TierRecord:
-    """Who wrote a memory-tier checkpoint: its step, the rank and the world size."""
+    """Who wrote a memory-tier checkpoint: its step, the rank, the world size and the process
+    (0: unknown, a record of an earlier version)."""
 
     step: int
     rank: int
     world_size: int
+    pid: int = field(default_factory=os.getpid)
 
     def write(self, directory: Path) -> None:
         tmp = directory / f"{RECORD_NAME}.tmp"
@@ -90,7 +95,8 @@ class TierRecord:
         path = directory / RECORD_NAME
         try:
             raw = json.loads(path.read_text())
-            return cls(int(raw["step"]), int(raw["rank"]), int(raw["world_size"]))
+            return cls(int(raw["step"]), int(raw["rank"]), int(raw["world_size"]),
+                       int(raw.get("pid", 0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointCorruptError(f"{path}: unreadable tier record ({exc})") from exc
 
@@ -150,6 +156,44 @@ def remove_step(directory: Path) -> None:
     for a committed one."""
     uncommit(directory)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this host) is running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_unfinished(root: Path) -> list[int]:
+    """Remove the step directories of ``root`` that hold no committed checkpoint and whose
+    writer is gone: its process (by the record) is not running and no save holds the
+    directory's claim. Returns those steps (logged)."""
+    removed = []
+    for s in steps(root):
+        directory = step_dir(root, s)
+        if committed(directory):
+            continue
+        try:
+            pid = TierRecord.read(directory).pid
+        except CheckpointCorruptError:
+            pid = 0  # killed before its record was written
+        if pid and alive(pid):
+            continue
+        try:
+            DirectoryClaim(directory).release()
+        except (CheckpointError, OSError):
+            continue  # a save holds it, or it cannot be claimed: left alone
+        remove_step(directory)
+        removed.append(s)
+    if removed:
+        log.info("dcp_datastates: removed unfinished step(s) %s from %s (their process is "
+                 "gone)", removed, root)
+    return removed
 
 
 def size_of(directory: Path) -> int:
