@@ -261,6 +261,23 @@ def test_a_second_manager_on_the_durable_tier_is_refused(tiers: Tiers, engine: E
             pass  # other directories: no conflict
 
 
+def test_cli_persist_is_refused_while_a_manager_holds_the_memory_tier(tiers: Tiers,
+                                                                       engine: Engine) -> None:
+    """``persist`` on the memory tier of a manager still running (its retention and its own
+    persists write the same directories) exits 1 naming the tier and the holder's pid; once
+    the manager is closed it runs."""
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                           engine=engine) as manager:
+        manager.save(1, make_state(1)).result(timeout=30)
+        done = run_cli(tiers.memory, tiers.durable)
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert re.search(rf"memory tier {tiers.memory} is in use by .*\(pid {os.getpid()}",
+                         done.stderr), done.stderr
+        assert steps_in(tiers.durable) == []
+    done = run_cli(tiers.memory, tiers.durable)
+    assert done.returncode == 0 and "persisted step 1" in done.stdout, (done.stdout, done.stderr)
+
+
 _HOLDER = textwrap.dedent(
     """
     import sys, time
