@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import MARKS, Tiers, assert_state_equal, blank_like, load_into, rand_tensor
-from test_tiers import ROOT, flip_payload_byte, make_state, manager_logs, steps_in
+from test_tiers import ROOT, HoldWrites, flip_payload_byte, make_state, manager_logs, steps_in
 from test_tiers_cli import persist, run_cli
 
 from dcp_datastates import (
@@ -34,6 +34,7 @@ from dcp_datastates import (
     Engine,
     TierFullError,
 )
+from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.jobs.copy import copy_checkpoint
 from dcp_datastates.metadata_file import read_metadata
 
@@ -276,6 +277,27 @@ def test_cli_persist_is_refused_while_a_manager_holds_the_memory_tier(tiers: Tie
         assert steps_in(tiers.durable) == []
     done = run_cli(tiers.memory, tiers.durable)
     assert done.returncode == 0 and "persisted step 1" in done.stdout, (done.stdout, done.stderr)
+
+
+def test_a_refused_manager_removes_nothing_from_the_tier_it_is_refused(tiers: Tiers,
+                                                                        engine: Engine) -> None:
+    """A manager whose memory_dir is another manager's durable tier is refused, and removes
+    nothing there before: that manager's persist in flight (a step not committed yet) commits."""
+    hold = HoldWrites(ThreadPoolBackend(), tiers.durable)
+    slow = Engine(io_backend=hold, host_cache_size="8MiB", io_workers=4)
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=1,
+                               engine=slow) as manager:
+            manager.save(1, make_state(1))
+            assert hold.held.wait(30), "the persist never wrote"
+            with pytest.raises(CheckpointError, match=r"in use by another CheckpointManager"):
+                CheckpointManager(memory_dir=tiers.durable, engine=engine)
+            hold.gate.set()
+            manager.wait()
+        assert steps_in(tiers.durable) == [1]
+    finally:
+        hold.gate.set()
+        slow.close()
 
 
 _HOLDER = textwrap.dedent(
