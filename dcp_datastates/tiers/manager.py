@@ -306,6 +306,8 @@ def _memory_tier(memory_dir: str | os.PathLike | None, durable: Path | None,
     """This rank's memory tier (made if need be)."""
     memory = (Path(os.path.expanduser(memory_dir)).absolute() if memory_dir
               else _default_memory_dir(durable, rank))
+    if durable is not None and os.path.realpath(memory) == os.path.realpath(durable):
+        raise ValueError(f"memory_dir {memory} is durable_dir: give each tier its own directory")
     memory.mkdir(parents=True, exist_ok=True)
     return memory
 
