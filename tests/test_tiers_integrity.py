@@ -300,6 +300,26 @@ def test_a_refused_manager_removes_nothing_from_the_tier_it_is_refused(tiers: Ti
         slow.close()
 
 
+def test_a_forked_child_alive_does_not_keep_the_claims_after_close(tiers: Tiers,
+                                                                    engine: Engine) -> None:
+    """A process forked while the manager is open (a DataLoader worker) shares the lock files'
+    descriptors: close() still gives the tiers up while that child lives on."""
+    manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: waits until the test is done, touches nothing
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        manager.close()
+        CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine).close()
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
 _HOLDER = textwrap.dedent(
     """
     import sys, time
