@@ -104,8 +104,10 @@ class DirectoryClaim:
         )
 
     def release(self) -> None:
-        """Drop the lock (idempotent); the lock file stays."""
+        """Drop the lock (idempotent); the lock file stays. Unlocked first: a process forked
+        meanwhile (a DataLoader worker) shares the descriptor, and would hold it on."""
         if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
 

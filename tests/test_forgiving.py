@@ -248,3 +248,13 @@ def test_a_file_is_said_to_be_a_file(tmp_path: Path, capsys) -> None:
     for command in ("inspect", "verify"):
         assert cli.main([command, str(file)]) == 1
         assert f"{file} is a file, not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_one_directory_for_both_tiers_is_said_to_be_one(tmp_path: Path) -> None:
+    """memory_dir naming durable_dir (through a link too) is refused as such, not as a tier
+    "in use by another CheckpointManager" (this one)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "ckpt")
+    for memory in (tmp_path / "ckpt", tmp_path / "link"):
+        with pytest.raises(ValueError, match=r"memory_dir .* is durable_dir"):
+            CheckpointManager(tmp_path / "ckpt", memory_dir=memory)

@@ -19,11 +19,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import MARKS, Tiers, assert_state_equal, blank_like, load_into, rand_tensor
-from test_tiers import ROOT, flip_payload_byte, make_state, manager_logs, steps_in
+from test_tiers import ROOT, HoldWrites, flip_payload_byte, make_state, manager_logs, steps_in
 from test_tiers_cli import persist, run_cli
 
 from dcp_datastates import (
@@ -33,7 +34,9 @@ from dcp_datastates import (
     Engine,
     TierFullError,
 )
+from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.jobs.copy import copy_checkpoint
+from dcp_datastates.metadata_file import read_metadata
 
 MiB = 1 << 20
 #: What a refused persist names: the memory-tier file and the item whose checksum fails.
@@ -54,9 +57,11 @@ def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     return caplog
 
 
-def damaged_memory_step(tiers: Tiers, engine: Engine, keep_durable: int) -> dict[int, dict]:
-    """Steps 1 and 2 persisted, step 3 committed in memory only, then a byte of its item
-    ``model.w`` flipped (sizes stay right: only checksums tell). Returns the states."""
+def damaged_memory_step(tiers: Tiers, engine: Engine, keep_durable: int,
+                        damage=flip_payload_byte) -> dict[int, dict]:
+    """Steps 1 and 2 persisted, step 3 committed in memory only, then ``damage`` done to it
+    (default: a byte of its item ``model.w`` flipped; sizes stay right: only checksums tell).
+    Returns the states."""
     states = {s: make_state(s, big=MiB) for s in (1, 2, 3)}
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=3,
                            keep_durable=keep_durable, persist=1, engine=engine) as manager:
@@ -66,8 +71,20 @@ def damaged_memory_step(tiers: Tiers, engine: Engine, keep_durable: int) -> dict
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=3,
                            persist=None, engine=engine) as manager:
         manager.save(3, states[3]).result(timeout=30)
-    flip_payload_byte(tiers.memory / "step_3", "model.w")
+    damage(tiers.memory / "step_3", "model.w")
     return states
+
+
+def retype_header_entry(directory: Path, fqn: str) -> None:
+    """Make the data file's header say I32 where ``.metadata`` says F32 for item ``fqn``
+    (same length: the item's bytes and their checksums stay right; a load refuses it)."""
+    loc = next(v for k, v in read_metadata(directory).storage_data.items() if k.fqn == fqn)
+    path = directory / loc.file
+    head = path.read_bytes()[:loc.offset]
+    at = head.index(b'"dtype":"F32"', head.index(f'"{fqn}"'.encode()))
+    with open(path, "r+b") as f:
+        f.seek(at + len(b'"dtype":"'))
+        f.write(b"I32")
 
 
 # -- 1. a persist verifies what it copies --------------------------------------------------------
@@ -95,6 +112,23 @@ def test_damaged_memory_step_is_refused_and_the_good_durable_step_stays(
     assert steps_in(tiers.durable) == good  # close() found nothing newer to persist
     assert_state_equal(load_into(states[2], tiers.durable / "step_2"), states[2])
     assert any("step 3 is dropped from the memory tier" in m for m in manager_logs(logs))
+
+
+def test_a_step_whose_header_contradicts_its_metadata_is_refused(tiers: Tiers,
+                                                                 engine: Engine) -> None:
+    """A data file whose header says another dtype than ``.metadata`` (its checksums all pass)
+    does not load: its persist is refused too, by the manager and by the CLI, so retention
+    (keep_durable=1) keeps the only good durable step."""
+    damaged_memory_step(tiers, engine, keep_durable=1, damage=retype_header_entry)
+    done = run_cli(tiers.memory, tiers.durable)
+    assert done.returncode == 1 and re.search(r"step_3 is damaged.*header", done.stderr), (
+        done.stdout, done.stderr)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=3,
+                           keep_durable=1, engine=engine) as manager:
+        with pytest.raises(CheckpointCorruptError, match=r"step_3 is damaged.*item 'model\.w'"
+                                                         r".*header does not match"):
+            manager.wait()
+        assert steps_in(tiers.durable) == [2]
 
 
 def test_cli_persist_refuses_a_damaged_step(tiers: Tiers, engine: Engine,
@@ -226,6 +260,64 @@ def test_a_second_manager_on_the_durable_tier_is_refused(tiers: Tiers, engine: E
         with CheckpointManager(tiers.scratch / "durable2", memory_dir=tiers.scratch / "m2",
                                engine=engine):
             pass  # other directories: no conflict
+
+
+def test_cli_persist_is_refused_while_a_manager_holds_the_memory_tier(tiers: Tiers,
+                                                                       engine: Engine) -> None:
+    """``persist`` on the memory tier of a manager still running (its retention and its own
+    persists write the same directories) exits 1 naming the tier and the holder's pid; once
+    the manager is closed it runs."""
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                           engine=engine) as manager:
+        manager.save(1, make_state(1)).result(timeout=30)
+        done = run_cli(tiers.memory, tiers.durable)
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert re.search(rf"memory tier {tiers.memory} is in use by .*\(pid {os.getpid()}",
+                         done.stderr), done.stderr
+        assert steps_in(tiers.durable) == []
+    done = run_cli(tiers.memory, tiers.durable)
+    assert done.returncode == 0 and "persisted step 1" in done.stdout, (done.stdout, done.stderr)
+
+
+def test_a_refused_manager_removes_nothing_from_the_tier_it_is_refused(tiers: Tiers,
+                                                                        engine: Engine) -> None:
+    """A manager whose memory_dir is another manager's durable tier is refused, and removes
+    nothing there before: that manager's persist in flight (a step not committed yet) commits."""
+    hold = HoldWrites(ThreadPoolBackend(), tiers.durable)
+    slow = Engine(io_backend=hold, host_cache_size="8MiB", io_workers=4)
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=1,
+                               engine=slow) as manager:
+            manager.save(1, make_state(1))
+            assert hold.held.wait(30), "the persist never wrote"
+            with pytest.raises(CheckpointError, match=r"in use by another CheckpointManager"):
+                CheckpointManager(memory_dir=tiers.durable, engine=engine)
+            hold.gate.set()
+            manager.wait()
+        assert steps_in(tiers.durable) == [1]
+    finally:
+        hold.gate.set()
+        slow.close()
+
+
+def test_a_forked_child_alive_does_not_keep_the_claims_after_close(tiers: Tiers,
+                                                                    engine: Engine) -> None:
+    """A process forked while the manager is open (a DataLoader worker) shares the lock files'
+    descriptors: close() still gives the tiers up while that child lives on."""
+    manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: waits until the test is done, touches nothing
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        manager.close()
+        CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine).close()
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
 
 
 _HOLDER = textwrap.dedent(

@@ -5,7 +5,8 @@ allows), straight from a mapping of the source file; meanwhile the checksum thre
 block of every item in that mapping against ``.metadata``'s checksums (the load path's check,
 :func:`~dcp_datastates.checksums.verify_span`), so the bytes copied are read once more from
 memory, never from disk again. A file with a block that does not match is removed and the copy
-fails naming the file and the item: a copy never commits bytes whose checksums fail. The copy
+fails naming the file and the item: a copy never commits bytes whose checksums fail. No checksum
+covers a file's header: it is checked first, as a load checks it. The copy
 is committed by the same code as any save (:mod:`.commit`): as a whole checkpoint, or as a
 *part* (its metadata in a directory of its own, its data files beside other parts' in the
 target), which a later commit merges with the other parts.
@@ -24,9 +25,13 @@ from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
 from ..checksums import memory_at, verify_span
-from ..directory import fsync_dir, new_token
+from ..directory import fsync_dir, new_token, open_regular
+from ..entries import stored_spec
 from ..errors import CheckpointCorruptError
+from ..file_format import entry_mismatch, layout_mismatch, read_file_header
 from ..file_writer import DataFile, Piece
 from ..metadata_file import ItemLocation, read_metadata
 from .commit import commit, data_files
@@ -39,8 +44,8 @@ if TYPE_CHECKING:
 #: Item bytes one checksum task checks (whole blocks; small items are checked together).
 VERIFY_BYTES = 64 << 20
 
-#: An item of a data file: its name in ``.metadata`` and its location.
-Item = tuple[str, ItemLocation]
+#: An item of a data file: its index in ``.metadata`` and its location.
+Item = tuple[MetadataIndex, ItemLocation]
 #: Item bytes ``[b0, b1)`` of one item, to check.
 _Span = tuple[str, ItemLocation, int, int]
 
@@ -55,14 +60,15 @@ def copy_checkpoint(engine: Engine, source: Path, target: Path, *,
     metadata = read_metadata(source)
     items: dict[str, list[Item]] = defaultdict(list)
     for index, loc in metadata.storage_data.items():
-        items[loc.file].append((index.fqn, loc))
+        items[loc.file].append((index, loc))
     target.mkdir(parents=True, exist_ok=True)
     if part is not None and part.exists():  # void first (durably): a part left committed
         shutil.rmtree(part, ignore_errors=True)  # must not name the files replaced here
         fsync_dir(target)
     for name in sorted(data_files(metadata)):
-        copy_file(engine, source / name, target / name, items[name],
-                  f"checkpoint {source}, file {name}")
+        what = f"checkpoint {source}, file {name}"
+        _check_header(source / name, metadata, items[name], what)
+        copy_file(engine, source / name, target / name, items[name], what)
     if part is not None:
         part.mkdir()
     commit(part or target, metadata, new_token(), data_dir=target if part else None)
@@ -93,13 +99,35 @@ def copy_file(engine: Engine, source: Path, target: Path, items: list[Item],
         file.finish(size)
 
 
+def _check_header(path: Path, metadata: Metadata, items: list[Item], what: str) -> None:
+    """Raise ``CheckpointCorruptError`` where a load would refuse the header of data file
+    ``path``: not a header, an item's entry unlike ``.metadata``, entries not tiling the data."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        data_start, header = read_file_header(fd, size, what)
+    finally:
+        os.close(fd)
+    for index, loc in items:
+        where = f"{what}, item {index.fqn!r}"
+        tensor = isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata)
+        why = entry_mismatch(header, data_start, stored_spec(metadata, index, loc, tensor, where),
+                             loc.offset)
+        if why is not None:
+            raise CheckpointCorruptError(f"{where}: the data file's header does not match "
+                                         f".metadata: {why}")
+    if (why := layout_mismatch(header, data_start, size)) is not None:
+        raise CheckpointCorruptError(f"{what}: {why}")
+
+
 def _start_checks(engine: Engine, addr: int, size: int, items: list[Item],
                   what: str) -> list[Future]:
     """Check the items' blocks at ``addr`` (a file of ``size`` bytes) on the checksum threads,
     ``VERIFY_BYTES`` a task."""
     tasks: list[list[_Span]] = [[]]
     load = 0
-    for fqn, loc in items:
+    for index, loc in items:
+        fqn = index.fqn
         if loc.offset + loc.length > size:
             raise CheckpointCorruptError(
                 f"{what}, item {fqn!r}: needs bytes {loc.offset}..{loc.offset + loc.length}, "

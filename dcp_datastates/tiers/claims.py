@@ -13,10 +13,12 @@ from) is not claimed: nothing of this process is written there.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..directory import DirectoryClaim
@@ -80,6 +82,18 @@ def claim_tier(directory: Path, what: str) -> TierClaim | None:
             raise
         log.info("dcp_datastates: %s %s is not claimed: %s (read-only?)", what, directory, exc)
         return None
+
+
+@contextlib.contextmanager
+def claimed(directories: list[Path], what: str) -> Iterator[None]:
+    """Hold the claims of the tiers ``directories`` meanwhile (an offline tool writing them
+    while no manager does); raise as :func:`claim_tier` where a manager holds one."""
+    with contextlib.ExitStack() as held:
+        for directory in directories:
+            claim = claim_tier(directory, what)
+            if claim is not None:
+                held.callback(claim.release)
+        yield
 
 
 class TierClaims:

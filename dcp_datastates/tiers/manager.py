@@ -116,6 +116,7 @@ class CheckpointManager:
         self._rollback: int | None = None  # step a load went back to, newer steps existing
         self._claims = TierClaims(self.memory, self.durable, ranks)
         try:
+            remove_dead_unfinished(self.memory)  # only its holder cleans a tier
             self._wire()
             self._unclosed = Unclosed.track(self)  # the engine's close finishes it: exit too
             views = self._restorer.views()
@@ -302,11 +303,12 @@ class CheckpointManager:
 
 def _memory_tier(memory_dir: str | os.PathLike | None, durable: Path | None,
                  rank: int) -> Path:
-    """This rank's memory tier (made if need be; unfinished steps of dead processes removed)."""
+    """This rank's memory tier (made if need be)."""
     memory = (Path(os.path.expanduser(memory_dir)).absolute() if memory_dir
               else _default_memory_dir(durable, rank))
+    if durable is not None and os.path.realpath(memory) == os.path.realpath(durable):
+        raise ValueError(f"memory_dir {memory} is durable_dir: give each tier its own directory")
     memory.mkdir(parents=True, exist_ok=True)
-    remove_dead_unfinished(memory)
     return memory
 
 

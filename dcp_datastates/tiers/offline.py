@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorruptError, CheckpointError
+from .claims import claimed
 from .persist import parts_of, persist_part
 from .steps import (
     RECORD_NAME,
@@ -192,30 +193,31 @@ def persist_job(engine: Engine, memory: list[Path], durable: Path, step: int | N
     for arg in memory:
         tiers += [t for t in memory_tiers(arg) if t.resolve() not in {x.resolve() for x in tiers}]
     _check_durable(durable, tiers, parents)
-    found, notes = sources(tiers)
-    given = ", ".join(map(str, memory))
-    if step is None:
-        step, why = _newest(found, durable, given, notes)
-        if why:
-            return Outcome(step, step_dir(durable, step) if step is not None else None,
-                           reason=why, notes=notes)
-    target = step_dir(durable, step)
-    if committed(target):
-        return Outcome(step, target, notes=notes,
-                       reason=f"step {step} is already persisted in {target}")
-    if step not in found:
-        torn = [str(step_dir(t, step)) for t in tiers if step_dir(t, step).is_dir()]
-        why = f"; {', '.join(torn)}: never committed (the save did not finish)" if torn else ""
-        raise CheckpointError(f"no memory tier in {given} holds a committed checkpoint of "
-                              f"step {step} (committed there: "
-                              f"{_ranks(sorted(found)) or 'none'}{why})")
-    plan = _plan(step, found[step], target)
-    if plan.missing and not partial:
-        raise CheckpointError(
-            f"{plan.lacks(step)}: give every rank's memory tier (or a peer's replica), or "
-            f"--partial to write the parts found in {given} and leave the commit to a run "
-            f"that adds the rest")
-    return _write(engine, plan, step, target, notes)
+    with claimed(tiers, "memory tier"):  # no manager prunes or persists them meanwhile
+        found, notes = sources(tiers)
+        given = ", ".join(map(str, memory))
+        if step is None:
+            step, why = _newest(found, durable, given, notes)
+            if why:
+                return Outcome(step, step_dir(durable, step) if step is not None else None,
+                               reason=why, notes=notes)
+        target = step_dir(durable, step)
+        if committed(target):
+            return Outcome(step, target, notes=notes,
+                           reason=f"step {step} is already persisted in {target}")
+        if step not in found:
+            torn = [str(step_dir(t, step)) for t in tiers if step_dir(t, step).is_dir()]
+            why = f"; {', '.join(torn)}: never committed (the save did not finish)" if torn else ""
+            raise CheckpointError(f"no memory tier in {given} holds a committed checkpoint of "
+                                  f"step {step} (committed there: "
+                                  f"{_ranks(sorted(found)) or 'none'}{why})")
+        plan = _plan(step, found[step], target)
+        if plan.missing and not partial:
+            raise CheckpointError(
+                f"{plan.lacks(step)}: give every rank's memory tier (or a peer's replica), or "
+                f"--partial to write the parts found in {given} and leave the commit to a run "
+                f"that adds the rest")
+        return _write(engine, plan, step, target, notes)
 
 
 def _newest(found: dict[int, dict[int, list[Source]]], durable: Path, given: str,
