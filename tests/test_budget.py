@@ -208,3 +208,63 @@ def test_a_save_with_no_slot_free_is_skipped(tiers: Tiers, clock: FakeClock, log
     assert leases == 0
     assert len(skip_lines(logs)) == 1
     assert not any("copied into the tier" in r.getMessage() for r in logs.records)
+
+
+def test_the_slowdown_of_saves_in_flight_is_charged_and_kept_within_the_budget(
+        clock: FakeClock) -> None:
+    """CheckFreq's measure: a save every step of 0.2 s is asked for; each save taken costs
+    5 ms in its call and slows the 3 steps its commit runs in by 7% (the commit ends in the
+    third), nowhere a wait. The slowdown is charged: over 2000 steps, what saves cost stays
+    within 5% of the quiet training time (plus one save), and saves are taken at the rate
+    that allows (one per (5 ms + 3 x 14 ms) / (5% of 0.2 s) = 4.7 steps). Charged only its
+call, as before, a save would be taken every step."""
+    step_s, call_s, slow_s, fraction, steps = 0.2, 0.005, 0.014, 0.05, 2000
+    budget = Budget(fraction, clock, Ranks(0, 1, None), [])
+    flying: list[tuple[SaveHandle, int]] = []  # taken, intervals left
+    taken, cost = [], 0.0
+    for step in range(steps):
+        slow = slow_s if flying else 0.0
+        clock.now += (step_s + slow) / 2
+        for handle, left in flying:
+            handle.staged.done() or handle.staged.set_result(None)
+            if left == 1:
+                handle.committed.set_result(None)  # mid-interval
+        flying = [(h, left - 1) for h, left in flying if left > 1]
+        clock.now += (step_s + slow) / 2
+        cost += slow
+        budget.wait(lambda: None)  # the guard: the snapshot is copied already
+        if budget.decide(step, None, None) is None:
+            handle = SaveHandle(step, Future(), Future())
+            clock.now += call_s
+            budget.taken(handle)
+            taken.append(handle)
+            flying.append((handle, 3))
+            cost += call_s
+    whole = call_s + 3 * slow_s
+    assert cost <= fraction * steps * step_s + whole
+    # saves are decided at steps: one every 5 (4.7 rounded up), the rate the budget allows
+    assert steps // 5 - 1 <= len(taken) <= steps * fraction * step_s / whole, len(taken)
+    settled = [h.figures.cost_s for h in taken[:-1]]
+    assert settled == pytest.approx([whole] * len(settled))
+
+
+def test_a_pause_while_a_commit_runs_is_charged_only_the_time_it_ran(clock: FakeClock) -> None:
+    """An evaluation of an hour while a commit runs is no slowdown of an hour: an interval
+    is charged at most the time the saves in flight ran in it."""
+    budget = Budget(0.5, clock, Ranks(0, 1, None), [])
+    first, second = SaveHandle(0, Future(), Future()), SaveHandle(2, Future(), Future())
+    first.staged.set_result(None)
+    first.committed.set_result(None)
+    assert budget.decide(0, None, None) is None
+    budget.taken(first)
+    clock.now += 1.0
+    budget.decide(1, None, None)  # a quiet second: the baseline
+    clock.now += 1.0
+    assert budget.decide(2, None, None) is None
+    budget.taken(second)
+    second.staged.set_result(None)
+    clock.now += 0.3
+    second.committed.set_result(None)  # the commit ran 0.3 s into the hour
+    clock.now += 3600.0
+    budget.decide(3, None, None)
+    assert second.figures.cost_s == pytest.approx(0.3)

@@ -1,9 +1,19 @@
 """The overhead budget (``max_overhead``): which saves the training thread can afford.
 
-A save costs the training thread its ``save()`` call and the guard's waits for its snapshot
-(:meth:`CheckpointManager.wait_for_snapshots`); the training time is the time between saves
-less those. Each rank keeps an :class:`Account`: training time earns ``max_overhead`` seconds
-of cost per second, each cost is spent as it is measured, and a save is taken when the account
+A save costs the training thread its ``save()`` call, the guard's waits for its snapshot
+(:meth:`CheckpointManager.wait_for_snapshots`), and the slowdown of the loop while it is in
+flight (CheckFreq's measure): its snapshot copies and its memory commit run on other threads,
+yet slow the training steps (GIL, memory bandwidth) without waiting anywhere. :class:`Drag`
+measures that slowdown on the intervals between ``save()`` calls (a step, or N steps): against
+a baseline, the median of the recent *quiet* intervals (no save in flight), an interval that a
+save in flight overlaps is charged ``interval - baseline``, at most the time the save ran in
+it. Until a quiet interval gives a baseline (the first save's), those intervals are kept,
+earning nothing (conservative: no save but the first is paid for before the loop's pace is
+known), and are charged and earned on once it exists. The training time is the time between
+saves less all those costs.
+
+Each rank keeps an :class:`Account`: training time earns ``max_overhead`` seconds of cost per
+second, each cost is spent as it is measured, and a save is taken when the account
 holds what a save costs (an average of the recent saves' costs, the newest weighted most). The
 account holds at most one save's cost, so a long pause lets one save through, not a burst.
 
@@ -18,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable
 from concurrent import futures
 
@@ -29,6 +41,8 @@ log = logging.getLogger("dcp_datastates")
 
 #: Weight of the newest save's cost in the expected cost of a save.
 NEWEST_WEIGHT = 0.5
+#: Quiet intervals whose median is the baseline of the loop's pace.
+QUIET_KEPT = 32
 #: Why a save is skipped, by precedence (an all-reduce keeps the highest of the ranks').
 OVER_BUDGET, NO_SLOT, COPYING = 1, 2, 3
 #: What a rank says of another rank's reason.
@@ -54,6 +68,7 @@ class Account:
         self.fraction = fraction
         self.credit = 0.0  # cost the training time allows now, less what was spent
         self.expected: float | None = None  # what a save costs (None: no save measured yet)
+        self._guessed = False  # expected is the first save's cost before its commit ended
 
     def earn(self, training_s: float) -> None:
         """``training_s`` of training went by: credit, up to one save's cost."""
@@ -63,10 +78,18 @@ class Account:
     def spend(self, cost_s: float) -> None:
         self.credit -= cost_s
 
+    def guess(self, cost_s: float) -> None:
+        """The first save's snapshot is over, its commit not yet: expect ``cost_s`` till then."""
+        if self.expected is None:
+            self.expected, self._guessed = cost_s, True
+
     def settle(self, cost_s: float) -> None:
-        """A save's snapshot is over and cost ``cost_s`` in all: the expected cost follows."""
+        """A save is over (its commit too) and cost ``cost_s`` in all: the expected cost
+        follows (it replaces a guess)."""
         old = self.expected
-        self.expected = cost_s if old is None else old + NEWEST_WEIGHT * (cost_s - old)
+        self.expected = (cost_s if old is None or self._guessed
+                         else old + NEWEST_WEIGHT * (cost_s - old))
+        self._guessed = False
 
     def affords(self) -> bool:
         """Whether a save fits (the first one always does: nothing is known of its cost)."""
@@ -79,6 +102,64 @@ class Account:
                 f"of training; {short:.2f} s more are needed")
 
 
+class _Flight:
+    """A save taken, in flight until its memory commit is done (``done_at``, on the clock)."""
+
+    def __init__(self, handle: SaveHandle, clock: Callable[[], float]) -> None:
+        self.handle, self.done_at = handle, None
+        handle.committed.add_done_callback(lambda _: setattr(self, "done_at", clock()))
+
+
+class Drag:
+    """How much the saves in flight slow the loop: each interval between ``save()`` calls
+    that a save in flight overlaps is charged its excess over the baseline (the median of
+    the last QUIET_KEPT quiet intervals), at most the time the saves ran in it (less the
+    guard's waits, charged apart), shared among the saves it overlaps."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._quiet: deque[float] = deque(maxlen=QUIET_KEPT)
+        self._flying: list[_Flight] = []
+        self._pending: list[tuple[float, float, list[SaveHandle]]] = []  # before a baseline
+
+    def track(self, handle: SaveHandle) -> None:
+        """``handle`` was taken: it is in flight until its memory commit is done."""
+        self._flying.append(_Flight(handle, self.clock))
+
+    def interval(self, start: float, end: float, training_s: float,
+                 waited_s: float) -> tuple[float, float]:
+        """The loop ran from ``start`` to ``end`` (``training_s`` of it outside the guard's
+        waits): the slowdown to charge now and the training time it leaves to earn on (an
+        interval kept for want of a baseline earns nothing until one exists)."""
+        flights = [f for f in self._flying if f.done_at is None or f.done_at > start]
+        if not flights:
+            self._quiet.append(training_s)
+            pending, self._pending = [(training_s, 0.0, [])] + self._pending, []
+            charged = [(self._charge(*p), p[0]) for p in pending]
+            return sum(c for c, _ in charged), sum(t - c for c, t in charged)
+        ran = max(end if f.done_at is None else min(f.done_at, end) for f in flights) - start
+        overlap = (training_s, max(0.0, ran - waited_s), [f.handle for f in flights])
+        if not self._quiet:
+            self._pending.append(overlap)
+            return 0.0, 0.0
+        slowdown = self._charge(*overlap)
+        return slowdown, training_s - slowdown
+
+    def over(self, now: float) -> list[SaveHandle]:
+        """The saves whose commit was done by ``now`` and whose slowdown is all charged."""
+        owed = {id(h) for p in self._pending for h in p[2]}
+        over = [f for f in self._flying if f.done_at is not None and f.done_at <= now
+                and id(f.handle) not in owed]
+        self._flying = [f for f in self._flying if f not in over]
+        return [f.handle for f in over]
+
+    def _charge(self, training_s: float, ran_s: float, handles: list[SaveHandle]) -> float:
+        extra = min(max(0.0, training_s - statistics.median(self._quiet)), ran_s)
+        for handle in handles:
+            handle.figures.cost_s += extra / len(handles)
+        return extra
+
+
 class Budget:
     """Takes or skips this rank's saves under ``max_overhead``, with the other ranks; times
     the training thread by ``clock``; puts the figures of skipped saves in ``history``.
@@ -88,6 +169,7 @@ class Budget:
     def __init__(self, max_overhead: float, clock: Callable[[], float], ranks: Ranks,
                  history: list[SaveFigures]) -> None:
         self.account = Account(float(max_overhead))
+        self.drag = Drag(clock)
         self.clock, self.ranks, self.history = clock, ranks, history
         self._open: SaveHandle | None = None  # the last save taken, until its snapshot is over
         self._mark: float | None = None  # when the last save() returned
@@ -101,9 +183,13 @@ class Budget:
         for it (given back if it is skipped; None with ``slots``: none was free).
         Collective under ``torch.distributed``."""
         now = self._call = self.clock()
-        self._close_open()
         if self._mark is not None:
-            self.account.earn(now - self._mark - self._waited)
+            slowdown, training = self.drag.interval(self._mark, now, now - self._mark
+                                                    - self._waited, self._waited)
+            self.account.spend(slowdown)
+        self._close_open(now)
+        if self._mark is not None:
+            self.account.earn(training)
         code, reason = self._local_reason(slots is not None and slot is None)
         agreed = self.ranks.most(code * self.ranks.world + self.ranks.rank if code else -1)
         if agreed < 0:
@@ -125,8 +211,10 @@ class Budget:
 
     def taken(self, handle: SaveHandle) -> None:
         """The save ``handle`` was started: its call's cost is spent; its snapshot's waits
-        are charged to it until the snapshot is over."""
+        are charged to it until the snapshot is over, the loop's slowdown until its commit
+        is."""
         self._open = handle
+        self.drag.track(handle)
         handle.figures.cost_s = 0.0
         self._end_call(open_figures=True)
 
@@ -151,11 +239,14 @@ class Budget:
             return OVER_BUDGET, self.account.why_not()
         return 0, ""
 
-    def _close_open(self) -> None:
-        """The last save taken is settled once its snapshot is over."""
+    def _close_open(self, now: float) -> None:
+        """The last save taken is open until its snapshot is over; a save is settled once
+        its commit is done and its slowdown charged."""
         if self._open is not None and self._open.staged.done():
-            self.account.settle(self._open.figures.cost_s)
+            self.account.guess(self._open.figures.cost_s)
             self._open = None
+        for handle in self.drag.over(now):
+            self.account.settle(handle.figures.cost_s)
 
     def _end_call(self, open_figures: bool) -> None:
         end = self.clock()
