@@ -21,7 +21,9 @@ class SaveFigures:
     (bytes, flush time, I/O backend): a managed save spans a snapshot, the memory tier's
     storage save (with its own ``SaveStats``), a replica and maybe a persist; these are its
     milestones. ``cost_s`` (with ``max_overhead`` only) is what the save cost the training
-    thread: its ``save()`` call and the guard's waits for its snapshot. A save skipped under
+    thread: its ``save()`` call, the guard's waits for its snapshot and the slowdown of the
+    training loop while it was in flight (settled when its memory commit is done). A save
+    skipped under
     ``max_overhead`` has figures too, ``skipped`` and nothing else.
     """
 

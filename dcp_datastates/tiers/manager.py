@@ -73,11 +73,11 @@ class CheckpointManager:
             (another node's, in a real job), so a lost node's memory can be restored from memory.
         engine: the :class:`~dcp_datastates.Engine` (default: the process's engine).
         max_overhead: the fraction of training time checkpointing may cost the training
-            thread (the ``save()`` calls and the guard's waits, against the time between
-            saves); a save that does not fit is skipped at once (:mod:`.budget`). 0.05 lets a
-            loop call ``save`` every step and get as many checkpoints as the hardware allows
-            within 5%. None (default) takes every save, as a loop that saves every N steps
-            expects.
+            thread (the ``save()`` calls, the guard's waits and the loop's slowdown while a
+            save is in flight, against the time between saves); a save that does not fit is
+            skipped at once (:mod:`.budget`). 0.05 lets a loop call ``save`` every step and
+            get as many checkpoints as the hardware allows within 5%. None (default) takes
+            every save, as a loop that saves every N steps expects.
         clock: what the budget measures time with (tests pass a fake).
 
     Under ``torch.distributed`` the manager makes gloo groups of its own (collectively, in the
