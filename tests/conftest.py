@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 import shutil
@@ -278,3 +279,10 @@ def tiers() -> Iterator[Tiers]:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """The package's log records at INFO and above."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    return caplog

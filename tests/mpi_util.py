@@ -175,6 +175,21 @@ def shared(world: World) -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture
+def nodes(world: World) -> Iterator[Path]:
+    """A /dev/shm directory for the test: rank r's memory tier is ``node_<r>`` in it."""
+    path = tempfile.mkdtemp(prefix="dcp_mpi_nodes_", dir="/dev/shm") if world.rank == 0 else None
+    path = Path(broadcast_object(path))
+    try:
+        yield path
+    finally:
+        try:
+            dist.barrier()
+        finally:  # removed also when a failed test broke the group
+            if world.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+
+
 def data_file_bytes(directory: Path) -> dict[str, int]:
     """Size of each data file (``*.safetensors``) in a checkpoint directory."""
     return {p.name: p.stat().st_size for p in directory.iterdir() if p.suffix == ".safetensors"}

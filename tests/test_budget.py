@@ -11,7 +11,6 @@ With ``max_overhead=1/16``, steps of 0.5 s earn 1/32 s of cost each and a save c
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -54,12 +53,6 @@ def engine(clock: FakeClock) -> Iterator[SlowGuardEngine]:
     leases = made.live_leases()
     made.close()
     assert leases == 0, f"{leases} lease(s) still held after the test"
-
-
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.INFO, logger="dcp_datastates")
-    return caplog
 
 
 def skip_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -4,9 +4,6 @@ each measures its own costs on its own clock. Run under MPI (see test_tiers_mpi.
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import mpi_util
@@ -15,7 +12,7 @@ import torch
 import torch.distributed as dist
 from conftest import assert_state_equal, blank_like, rand_tensor
 from fakes import Costly, FakeClock
-from mpi_util import World, agree, broadcast_object, collecting
+from mpi_util import World, agree, collecting
 
 from dcp_datastates import CheckpointManager, Engine
 
@@ -23,6 +20,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.filterwarnings("ignore:torch.distribu
 
 world = mpi_util.world
 shared = mpi_util.shared
+nodes = mpi_util.nodes
 
 BUDGET, STEP_S = 1 / 16, 0.5
 #: Rank 0's saves cost 1/16 s (a save every 2 steps alone), the others' 1/8 s (every 4 steps):
@@ -37,19 +35,6 @@ def cost_of(rank: int) -> float:
 def rank_state(rank: int, step: int) -> dict:
     return {f"rank{rank}": {"w": rand_tensor((8 + rank, 4), torch.float32, 100 * step + rank)},
             "extra": {"step": step}}
-
-
-@pytest.fixture
-def nodes(world: World) -> Iterator[Path]:
-    """A /dev/shm directory for the test: rank r's memory tier is ``node_<r>`` in it."""
-    path = tempfile.mkdtemp(prefix="dcp_budget_mpi_", dir="/dev/shm") if world.rank == 0 else None
-    path = Path(broadcast_object(path))
-    try:
-        yield path
-    finally:
-        dist.barrier()
-        if world.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_every_rank_takes_the_same_decisions(world: World, nodes: Path, shared: Path) -> None:

@@ -8,7 +8,6 @@ path). Multi-rank cases (peer replicas, job-wide durable checkpoints) are in tes
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import select
@@ -181,12 +180,6 @@ def held_engine(tiers: Tiers) -> Iterator[tuple[Engine, HoldWrites]]:
         made.close()
         hold.close()
         assert leases == 0, f"{leases} lease(s) still held after the test"
-
-
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.INFO, logger="dcp_datastates")
-    return caplog
 
 
 # -- kill -9 -------------------------------------------------------------------------------------

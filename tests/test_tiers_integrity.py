@@ -10,7 +10,6 @@ through ``Engine(io_backend=...)`` or the state saved, never by patching.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import select
@@ -49,12 +48,6 @@ pytestmark = MARKS
 @pytest.fixture
 def engine(make_engine) -> Engine:
     return make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=4)
-
-
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.INFO, logger="dcp_datastates")
-    return caplog
 
 
 def damaged_memory_step(tiers: Tiers, engine: Engine, keep_durable: int,

@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,21 +50,7 @@ pytestmark = [
 
 world = mpi_util.world
 shared = mpi_util.shared
-
-
-@pytest.fixture
-def nodes(world: World) -> Iterator[Path]:
-    """A /dev/shm directory for the test: rank r's memory tier is ``node_<r>`` in it."""
-    path = tempfile.mkdtemp(prefix="dcp_tiers_mpi_", dir="/dev/shm") if world.rank == 0 else None
-    path = Path(broadcast_object(path))
-    try:
-        yield path
-    finally:
-        try:
-            dist.barrier()
-        finally:  # removed also when a failed test broke the group
-            if world.rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
+nodes = mpi_util.nodes
 
 
 @pytest.fixture
@@ -75,12 +60,6 @@ def engine(world: World) -> Iterator[Engine]:
     leases = made.live_leases()
     made.close()
     assert leases == 0, f"rank {world.rank}: {leases} lease(s) still held after the test"
-
-
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.INFO, logger="dcp_datastates")
-    return caplog
 
 
 def restored_from(caplog: pytest.LogCaptureFixture, step: int) -> list[str]:
