@@ -25,6 +25,7 @@ from typing import Protocol, TypeVar
 
 from . import cuda_copy
 from .align import round_up
+from .arguments import checked_keywords
 from .host_cache import Arena, Lease
 from .io import FALLBACK, IOBackend, make_backend
 from .sizes import format_size, parse_size
@@ -157,6 +158,7 @@ class Engine:
     flush/load), never on the thread that calls ``async_save``.
     """
 
+    @checked_keywords
     def __init__(
         self,
         *,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import sys
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn
 
 import torch
@@ -19,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.storage import StorageReader
 
 from .directory import fsync_dir, open_regular, write_new
 from .errors import CheckpointCorruptError, CheckpointError
@@ -58,15 +61,54 @@ _SAFE_GLOBALS = [
 _FILESYSTEM_WRITER_LOCATION = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 
 
-def written_by_datastates(metadata: Metadata) -> NoReturn:
-    """What a plain ``pickle.load`` of our ``.metadata`` calls (``_Sealed``), so DCP's default
-    FileSystemReader fails with this message; ``read_metadata`` returns ``metadata`` instead.
-    Checkpoints name this function: it keeps its module and name."""
-    raise CheckpointError(
-        "this checkpoint was written by dcp_datastates.DataStatesWriter; DCP's default "
-        "FileSystemReader cannot read it: load it with dcp.load(state, checkpoint_id=..., "
-        "storage_reader=dcp_datastates.DataStatesReader())"
-    )
+WRONG_READER = (
+    "this checkpoint was written by dcp_datastates.DataStatesWriter; DCP's default "
+    "FileSystemReader cannot read it: load it with dcp.load(state, checkpoint_id=..., "
+    "storage_reader=dcp_datastates.DataStatesReader())"
+)
+
+
+def written_by_datastates(metadata: Metadata) -> Metadata:
+    """What a plain ``pickle.load`` of our ``.metadata`` calls (``_Sealed``), so that DCP's
+    default FileSystemReader fails saying to use DataStatesReader; ``read_metadata`` returns
+    ``metadata`` instead. Checkpoints name this function: it keeps its module and name.
+
+    A plain unpickling raises CheckpointError. Called from another StorageReader's
+    ``read_metadata``, whose errors some torch versions only log (then fail with a bare
+    "metadata is None"), it returns a stand-in that raises that error at its first use,
+    outside DCP's ``try``: on every torch version the load fails saying what to do."""
+    if _in_read_metadata(sys._getframe(1)):
+        return _WrongReader()
+    raise CheckpointError(WRONG_READER)
+
+
+def _in_read_metadata(frame: FrameType | None, depth: int = 3) -> bool:
+    """Whether one of the ``depth`` innermost frames from ``frame`` is a StorageReader's
+    ``read_metadata``."""
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "read_metadata" and isinstance(
+                frame.f_locals.get("self"), StorageReader):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _WrongReader(Metadata):
+    """The metadata another reader gets from our ``.metadata``: every item access raises."""
+
+    def __init__(self) -> None:
+        pass  # storage_meta and version keep their class defaults; the reader may set them
+
+    @property
+    def state_dict_metadata(self) -> NoReturn:
+        raise CheckpointError(WRONG_READER)
+
+    storage_data = planner_data = state_dict_metadata
+
+    def __repr__(self) -> str:
+        return f"<{WRONG_READER}>"
 
 
 class _Sealed:

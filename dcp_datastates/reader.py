@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -11,10 +12,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
+from .arguments import checked_keywords
 from .engine import Engine, default_engine
 from .entries import check_locations
 from .jobs.load import LoadJob
 from .metadata_file import METADATA_NAME, metadata_stamp, read_metadata
+from .mismatch import check_state_matches, planner_of
 from .stats import LoadStats
 
 
@@ -32,6 +35,7 @@ class DataStatesReader(StorageReader):
             where the file system allows it.
     """
 
+    @checked_keywords
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
                  verify_checksums: bool = True, direct_io: bool = True) -> None:
         super().__init__()
@@ -68,7 +72,14 @@ class DataStatesReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object,
                               **kwargs: object) -> None:
+        """Keep ``metadata``; where DCP's default planner holds the state dict (it is set up
+        just before), check that the state fits the checkpoint, so that a state dict of
+        another model fails naming the items that differ rather than the first one alone."""
         self.metadata = metadata
+        planner = planner_of(sys._getframe(1))
+        if planner is not None:
+            check_state_matches(planner.state_dict, metadata, self.path,
+                                strict=not planner.allow_partial_load)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
+from .arguments import checked_keywords
 from .directory import check_direct_io
 from .engine import Engine, default_engine
 from .jobs.ordering import CALLS
@@ -65,6 +66,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     _synchronize_after_execute = False
 
+    @checked_keywords
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
                  overwrite: bool = False, direct_io: bool | None = None,
                  snapshot_into: SnapshotTarget | None = None) -> None:

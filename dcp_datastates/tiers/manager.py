@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import checked_keywords
 from ..directory import memory_backed
 from ..engine import Engine, default_engine
 from ..sizes import parse_size
@@ -86,6 +87,7 @@ class CheckpointManager:
     here, naming the directory and the holder's pid.
     """
 
+    @checked_keywords
     def __init__(self, durable_dir: str | os.PathLike | None = None, *,
                  memory_dir: str | os.PathLike | None = None, keep_memory: int = 2,
                  keep_durable: int | None = 3, memory_limit: int | str | None = None,

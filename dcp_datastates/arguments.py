@@ -1,0 +1,51 @@
+"""Keyword checks of the public constructors: an option that moved, or a misspelt one, raises a
+TypeError that says what to pass instead."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TypeVar
+
+#: Options that the engine took over from the writer and the reader (one engine per process
+#: owns the host cache, the I/O backend and its threads).
+ENGINE_OPTIONS = ("host_cache_size", "io_backend", "io_workers")
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def checked_keywords(init: F) -> F:
+    """Wrap a class's ``__init__`` so that an unknown keyword raises a TypeError naming where
+    an option of the engine went, or the closest real keyword (Python's "did you mean").
+
+    The check runs only when the call fails, so a constructor costs nothing more; the
+    signature stays the real one (``inspect.signature`` follows ``__wrapped__``).
+    """
+    names = [p.name for p in inspect.signature(init).parameters.values()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+    owner = init.__qualname__.rsplit(".", 1)[0]
+
+    @functools.wraps(init)
+    def wrapper(self: object, *args: object, **kwargs: object) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except TypeError:
+            unknown = [k for k in kwargs if k not in names]
+            if not unknown:
+                raise
+            raise TypeError(unknown_keyword(owner, unknown[0], names)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def unknown_keyword(owner: str, name: str, names: list[str]) -> str:
+    """What to say of keyword ``name`` that ``owner()`` does not take (``names`` it does)."""
+    if name in ENGINE_OPTIONS and owner != "Engine":
+        return (f"{owner}() got {name}=, an option of the engine: pass "
+                f"engine=Engine({name}=...) (from dcp_datastates import Engine; one engine "
+                f"serves every writer, reader and manager of the process)")
+    said = f"{owner}() got an unexpected keyword argument {name!r}"
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"{said}; did you mean {close[0]!r}?" if close else f"{said}; it takes {names}"

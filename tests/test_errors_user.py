@@ -1,0 +1,143 @@
+"""Errors a new user meets, each saying what to do: an option that moved to the engine, a
+misspelt option, a state dict of another model, DCP's default reader on our checkpoint."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal, blank_like, raises_in_dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from dcp_datastates import (
+    CheckpointError,
+    CheckpointManager,
+    DataStatesReader,
+    DataStatesWriter,
+    Engine,
+)
+from dcp_datastates.mismatch import StateDictMismatchError
+
+HINT = "storage_reader=dcp_datastates.DataStatesReader()"
+
+
+def _make(cls: type, tmp_path: Path, **kw: object) -> object:
+    return cls(memory_dir=tmp_path / "memory", **kw) if cls is CheckpointManager else cls(
+        tmp_path, **kw)
+
+
+@pytest.mark.parametrize("cls", [DataStatesWriter, DataStatesReader, CheckpointManager])
+@pytest.mark.parametrize("option", ["host_cache_size", "io_workers", "io_backend"])
+def test_an_option_of_the_engine_names_where_it_went(tmp_path: Path, cls: type,
+                                                     option: str) -> None:
+    with pytest.raises(TypeError) as info:
+        _make(cls, tmp_path, **{option: 4})
+    assert str(info.value).startswith(
+        f"{cls.__name__}() got {option}=, an option of the engine: pass "
+        f"engine=Engine({option}=...)")
+    assert not (tmp_path / "memory").exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize(("cls", "typo", "meant"), [
+    (DataStatesWriter, "overwite", "overwrite"),
+    (DataStatesReader, "verify_checksum", "verify_checksums"),
+    (CheckpointManager, "max_overhed", "max_overhead"),
+    (CheckpointManager, "keep_memroy", "keep_memory"),
+    (Engine, "io_worker", "io_workers"),
+])
+def test_a_misspelt_option_gets_a_suggestion(tmp_path: Path, cls: type, typo: str,
+                                             meant: str) -> None:
+    with pytest.raises(TypeError, match=re.escape(
+            f"{cls.__name__}() got an unexpected keyword argument {typo!r}; "
+            f"did you mean {meant!r}?")):
+        cls(**{typo: 1}) if cls is Engine else _make(cls, tmp_path, **{typo: 1})
+
+
+def test_an_unknown_option_lists_the_real_ones(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=re.escape(
+            "DataStatesReader() got an unexpected keyword argument 'zzz'; it takes "
+            "['path', 'engine', 'verify_checksums', 'direct_io']")):
+        DataStatesReader(tmp_path, zzz=1)
+
+
+def test_other_type_errors_and_the_signature_stay(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="positional"):
+        DataStatesWriter(tmp_path, None)  # engine is keyword-only: Python's own error
+    assert list(inspect.signature(DataStatesWriter).parameters) == [
+        "path", "engine", "overwrite", "direct_io", "snapshot_into"]
+
+
+def _model(layers: int, width: int) -> dict:
+    return {"model": {f"layer{i}.weight": torch.full((width, 4), float(i))
+                      for i in range(layers)}, "step": 7}
+
+
+def _saved(tmp_path: Path, make_writer) -> tuple[Path, dict]:
+    state = _model(8, 4)
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt", storage_writer=make_writer(),
+             no_dist=True)
+    return tmp_path / "ckpt", state
+
+
+def test_a_state_dict_of_another_model_names_what_differs(tmp_path: Path, make_writer) -> None:
+    directory, _ = _saved(tmp_path, make_writer)
+    other = _model(3, 6)  # wider layers, fewer of them
+    other["model"] |= {f"head{i}.bias": torch.zeros(2, dtype=torch.bfloat16) for i in range(4)}
+    expected = "\n  ".join([
+        f"the state dict does not match checkpoint {directory}: 7 of its 8 items differ",
+        *(f"'model.layer{i}.weight': the checkpoint holds shape (4, 4) torch.float32, the "
+          f"state dict expects shape (6, 4) torch.float32" for i in range(3)),
+        *(f"'model.head{i}.bias': not in the checkpoint (the state dict expects shape (2,) "
+          f"torch.bfloat16)" for i in range(2)),
+        "... and 2 more",
+        "the checkpoint holds 5 items the state dict does not ask for: 'model.layer3.weight', "
+        "'model.layer4.weight', 'model.layer5.weight', 'model.layer6.weight', "
+        "'model.layer7.weight' (a checkpoint of another model?)",
+    ])
+    with raises_in_dcp(StateDictMismatchError, "^" + re.escape(expected) + "$"):
+        dcp.load(other, storage_reader=DataStatesReader(directory), no_dist=True)
+
+
+def test_a_partial_load_still_skips_missing_items(tmp_path: Path, make_writer) -> None:
+    directory, state = _saved(tmp_path, make_writer)
+    out = blank_like(state)
+    out["extra"] = torch.ones(3)
+    dcp.load(out, storage_reader=DataStatesReader(directory), no_dist=True,
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert_state_equal(out["model"], state["model"])
+    assert torch.equal(out["extra"], torch.ones(3))
+
+
+def test_the_manager_names_what_differs(tmp_path: Path) -> None:
+    with Engine(host_cache_size="4MiB", io_backend="threads") as engine, CheckpointManager(
+            memory_dir=tmp_path / "memory", engine=engine) as manager:
+        manager.save(1, _model(2, 4))
+        manager.wait()
+        with pytest.raises(StateDictMismatchError, match=re.escape(
+                f"checkpoint {tmp_path / 'memory' / 'step_1'}: 1 of its 2 items differ\n  "
+                "'model.layer0.weight': the checkpoint holds shape (4, 4) torch.float32, the "
+                "state dict expects shape (5, 4) torch.float32\n  the checkpoint holds 1 items "
+                "the state dict does not ask for: 'model.layer1.weight'")):
+            manager.load(_model(1, 5))
+
+
+def test_dcp_default_reader_raises_use_datastates_reader(tmp_path: Path, make_writer) -> None:
+    """On every torch version: those that only log an error of ``read_metadata`` (then raise
+    a bare "metadata is None") get a stand-in whose first use raises the error."""
+    directory, state = _saved(tmp_path, make_writer)
+    with raises_in_dcp(CheckpointError, re.escape(HINT)):
+        dcp.load(blank_like(state), checkpoint_id=directory, no_dist=True)
+    reader = FileSystemReader(directory)
+    metadata = reader.read_metadata()  # what an older torch keeps after logging nothing
+    with pytest.raises(CheckpointError, match=re.escape(HINT)):
+        reader.set_up_storage_reader(metadata, True)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(blank_like(state), metadata, True)
+    with pytest.raises(CheckpointError, match=re.escape(HINT)):
+        planner.create_local_plan()
+    assert HINT in repr(metadata)
