@@ -7,6 +7,7 @@ Lazy host snapshots into a reusable host cache, flushed to safetensors files thr
 from .engine import Engine, default_engine
 from .errors import CheckpointCorruptError, CheckpointError
 from .guard import guard
+from .mismatch import StateDictMismatchError
 from .reader import DataStatesReader
 from .sizes import parse_size
 from .tiers import CheckpointManager, TierFullError
@@ -22,5 +23,6 @@ __all__ = [
     "default_engine",
     "guard",
     "parse_size",
+    "StateDictMismatchError",
     "TierFullError",
 ]
