@@ -381,7 +381,8 @@ def summarize(rec: dict, base: float | None) -> dict:
 
 def tables(res: dict) -> list[Table]:
     t = Table(f"GPT {params(res['n_params'])} params ({res['layers']} layers, dim {res['dim']}), "
-              f"{'fp32 (bf16 autocast)' if res.get('fp32') else 'bf16'} + AdamW, batch {res['batch']} x seq {res['seq']} on {res['device']}, "
+              f"{'fp32 (bf16 autocast)' if res.get('fp32') else 'bf16'} + AdamW, "
+              f"batch {res['batch']} x seq {res['seq']} on {res['device']}, "
               f"{res['steps']} steps per mode, checkpoint of "
               f"{format_size(res['ckpt_bytes'] or 0)} every {res['every']} to {res['dir']}",
               [("mode", ""), ("median ms", ".1f"), ("slowdown", "+.2f%"), ("mean +", "+.1f%"),
