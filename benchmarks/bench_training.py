@@ -31,7 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from harness.baselines import async_save_pinned, futures
-from harness.ceilings import disk_ceiling, drop_cache
+from harness.ceilings import copy_ceiling, disk_ceiling, drop_cache
 from harness.machine import free_bytes, require
 from harness.plots import bars, figure, save
 from harness.run import Run, log, parser
@@ -94,7 +94,8 @@ class Trainer:
         torch.manual_seed(0)
         with torch.device(device):  # initialise on the GPU: 1B parameters are slow on CPU
             self.model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
-        self.model.to(torch.bfloat16)
+        if not args.fp32:
+            self.model.to(torch.bfloat16)
         cuda = device == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=cuda or None)
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -102,7 +103,8 @@ class Trainer:
     def step(self, before_step=None) -> None:
         a = self.args
         tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=self.device)
-        logits = self.model(tokens[:, :-1])
+        with torch.autocast(self.device, torch.bfloat16, enabled=a.fp32 and self.device == "cuda"):
+            logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         if before_step is not None:
@@ -163,9 +165,18 @@ def ours(tr: Trainer, path: Path, setup: dict, rec: dict) -> Iterator[Save]:
         handles.append(guard(tr.opt, writer))
         handles.append(tr.opt.register_step_pre_hook(
             lambda *_: waits.append(time.perf_counter() - mark[0])))
-        yield lambda state, path: dcp.async_save(state, checkpoint_id=path,
-                                                 storage_writer=writer, no_dist=True)
+        stats = []
+
+        def save(state: dict, path: Path) -> object:
+            resp = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, no_dist=True)
+            stats.append(writer.last_stats())
+            return resp
+
+        yield save
         rec["staging_wait_s"] = waits[-len(rec["step_s"]):] if rec["step_s"] else []
+        rec["snapshots"] = {"bytes": state_bytes(tr.state(0)),
+                            "copy_s": [st.copy_s for st in stats],
+                            "snapshot_s": [st.snapshot_s for st in stats]}
         st = writer.last_stats()
         if st is not None:
             rec["ours_last_stats"] = {"backend": st.backend, "o_direct": st.direct_io,
@@ -221,8 +232,10 @@ def tiers(tr: Trainer, path: Path, setup: dict, rec: dict,
                             "persist_s": [f.persist_s for f in persisted],
                             "memory_s": [f.memory_s for f in taken],
                             "snapshot_s": [f.snapshot_s for f in taken],
+                            "copy_s": [f.copy_s for f in taken],
                             "blocked_s": [f.blocked_s for f in taken],
                             "cost_s": [f.cost_s for f in taken]}
+            rec["snapshots"] = {k: rec["tiers"][k] for k in ("bytes", "copy_s", "snapshot_s")}
             manager.close()
             rec["tiers"]["restart"] = restart(tr, manager, engine)
     finally:
@@ -368,7 +381,8 @@ def summarize(rec: dict, base: float | None) -> dict:
 
 def tables(res: dict) -> list[Table]:
     t = Table(f"GPT {params(res['n_params'])} params ({res['layers']} layers, dim {res['dim']}), "
-              f"bf16 + AdamW, batch {res['batch']} x seq {res['seq']} on {res['device']}, "
+              f"{'fp32 (bf16 autocast)' if res.get('fp32') else 'bf16'} + AdamW, "
+              f"batch {res['batch']} x seq {res['seq']} on {res['device']}, "
               f"{res['steps']} steps per mode, checkpoint of "
               f"{format_size(res['ckpt_bytes'] or 0)} every {res['every']} to {res['dir']}",
               [("mode", ""), ("median ms", ".1f"), ("slowdown", "+.2f%"), ("mean +", "+.1f%"),
@@ -401,7 +415,7 @@ def tables(res: dict) -> list[Table]:
         v = s["ours"]["slowdown_pct"]
         t.notes.append(f"goal: ours median step <= 2% slower than no checkpoint: {v:+.2f}% -> "
                        f"{'met' if v <= 2 else 'MISSED'}")
-    out = [t, *tier_tables(res)]
+    out = [t, *snapshot_tables(res), *tier_tables(res)]
     if "ours" not in s:
         return out
     metrics = {"mean_s": "mean step", "ckpt_step_median_s": "ckpt step", "max_s": "max step",
@@ -409,6 +423,41 @@ def tables(res: dict) -> list[Table]:
                "durable_median_s": "durable"}
     pairs = {f"{m} / ours": (r, s["ours"]) for m, r in s.items() if m not in ("none", "ours")}
     return [*out, ratio_table("ratios of times (> 1: ours is faster)", pairs, metrics)]
+
+
+def snapshot_tables(res: dict) -> list[Table]:
+    """The snapshots' D2H copies during training against the idle pinned D2H ceiling, the
+    memory commits, and the longest step against the median."""
+    ceiling = res.get("copy", {}).get("d2h_gib_s")
+    runs = {m: r for m, r in res["runs"].items() if r.get("snapshots")}
+    if not runs:
+        return []
+    t = Table(f"snapshots during training: GPU time of the D2H copies against the idle pinned "
+              f"D2H ceiling ({ceiling or 0:.1f} GiB/s, one copy, measured in this run)",
+              [("mode", ""), ("saves", "d"), ("copy s", ".3f"), ("GiB/s", ".1f"),
+               ("of idle", ".0f%"), ("worst", ".0f%"), ("snapshot s", ".3f"),
+               ("commit s", ".3f"), ("max/median step", ".2f")])
+    for mode, r in runs.items():
+        snap = r["snapshots"]
+        copies = [c for c in snap["copy_s"] if c]
+        rate = snap["bytes"] / 2**30 / median(copies) if copies else None
+        worst = snap["bytes"] / 2**30 / max(copies) if copies else None
+        tier = r.get("tiers") or {}
+        commits = [m - s for m, s in zip(tier.get("memory_s", []), tier.get("snapshot_s", []),
+                                         strict=True) if m is not None and s is not None]
+        steps = r.get("step_s", [])
+        t.add(mode, len(snap["copy_s"]), median(copies), rate,
+              100 * rate / ceiling if rate and ceiling else None,
+              100 * worst / ceiling if worst and ceiling else None,
+              median([x for x in snap["snapshot_s"] if x is not None]), median(commits),
+              max(steps) / median(steps) if steps else None)
+    t.notes = ["copy s: median GPU time of a snapshot's device-to-host copies (CUDA events on "
+               "the side stream, from the first byte); GiB/s and of idle: the state's bytes "
+               "over it, against the ceiling; worst: the slowest snapshot",
+               "snapshot s: median from the save call to the staged snapshot (it includes the "
+               "wait for the GPU work queued before the call, whose results it copies)",
+               "commit s: median memory-tier commit after the snapshot (memory s - snapshot s)"]
+    return [t]
 
 
 def tier_tables(res: dict) -> list[Table]:
@@ -474,6 +523,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--fp32", action="store_true",
+                    help="fp32 parameters and AdamW state, bf16 autocast compute")
+    ap.add_argument("--preset", choices=["6g", "8g"],
+                    help="6g: the defaults (6 GiB bf16 state, ~220 ms steps on an H100); 8g: "
+                         "12 layers, fp32 state (~8.2 GiB), batch 8")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per mode")
     ap.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before each mode")
@@ -481,6 +535,8 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=list(MODES), metavar="MODE",
                     help=f"modes to leave out: {', '.join(MODES)}")
     args = ap.parse_args()
+    if args.preset == "8g":
+        args.layers, args.batch, args.fp32 = 12, 8, True
     if args.cpu_smoke:
         args.layers, args.dim, args.heads, args.vocab, args.seq, args.batch = 2, 64, 4, 256, 32, 4
         args.steps, args.every, args.warmup = 8, 4, 1
@@ -499,7 +555,7 @@ def main() -> None:
     run.header()
     res = run.res
     res.update(**{k: getattr(args, k) for k in ("layers", "dim", "heads", "vocab", "seq",
-                                                 "batch", "steps", "every", "warmup")},
+                                                 "batch", "steps", "every", "warmup", "fp32")},
                device=device, n_params=tr.n_params, ckpt_bytes=ckpt_bytes, dir=str(root),
                setup={}, runs={}, summary={})
     log(f"model: {params(tr.n_params)} params on {device}; checkpoint "
@@ -524,6 +580,8 @@ def main() -> None:
               f"{time.perf_counter() - t_start:.0f} s)")
 
     runs = res["runs"]
+    if device == "cuda" and any(r.get("snapshots") for r in runs.values()):
+        res["copy"] = run.guard("D2H ceiling", copy_ceiling, min(ckpt_bytes, 2 << 30))
     if any(r.get("tiers") for r in runs.values()):
         res["disk"] = run.guard("disk ceiling", disk_ceiling, root, min(ckpt_bytes, 4 << 30))
     both = runs.get("none", {}).get("step_s", []) + runs.get("none#2", {}).get("step_s", [])

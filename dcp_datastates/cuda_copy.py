@@ -107,8 +107,10 @@ class CudaCopier:
         for event in events.values():
             cudart.cudaEventDestroy(event)
 
-    def copy(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None) -> None:
-        """Run ``copies`` on the side streams and wait for them.
+    def copy(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None) -> float:
+        """Run ``copies`` on the side streams and wait for them; return the seconds the copies
+        took on the GPU (the slowest device; from the first byte, so not the wait for
+        ``after``).
 
         ``kind`` is ``"d2h"`` or ``"h2d"``; ``after`` holds events the copies must wait for
         (the caller destroys them).
@@ -118,7 +120,7 @@ class CudaCopier:
         by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
         for device, dst, src, nbytes in copies:
             by_device[device].append((dst, src, nbytes))
-        done = []
+        spans: list[tuple[object, object, object | None]] = []  # (stream, start, done)
         try:
             for device, batch in by_device.items():
                 stream = self.stream(device)
@@ -126,18 +128,15 @@ class CudaCopier:
                 if after and device in after:
                     _check(cudart.cudaStreamWaitEvent(stream, after[device], 0),
                            "cudaStreamWaitEvent")
+                spans.append((stream, _event(stream), None))
                 if len(batch) == 1 or not self._copy_batch(batch, stream):
                     for dst, src, nbytes in batch:
                         _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
                                "cudaMemcpyAsync")
-                (event,) = _check(cudart.cudaEventCreateWithFlags(
-                    cudart.cudaEventDisableTiming), "cudaEventCreateWithFlags")
-                done.append(event)
-                _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
+                spans[-1] = (stream, spans[-1][1], _event(stream))
         finally:  # never return while a copy that was issued may still run
-            for event in done:
-                cudart.cudaEventSynchronize(event)
-                cudart.cudaEventDestroy(event)
+            seconds = _settle(spans)
+        return seconds
 
     def _copy_batch(self, copies: list[tuple[int, int, int]], stream: object) -> bool:
         """Issue ``copies`` in one ``cudaMemcpyBatchAsync`` call; False where it is missing."""
@@ -160,3 +159,27 @@ class CudaCopier:
                  reason)
         cudart.cudaGetLastError()  # clear a sticky-free error before the fallback
         return False
+
+
+def _event(stream: object) -> object:
+    """A timing event recorded on ``stream``."""
+    (event,) = _check(cudart.cudaEventCreate(), "cudaEventCreate")
+    _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
+    return event
+
+
+def _settle(spans: list[tuple[object, object, object | None]]) -> float:
+    """Wait for each (stream, start, done) span's copies, destroy its events; the longest
+    span in seconds (a stream whose copies were not all issued is waited for in full)."""
+    longest = 0.0
+    for stream, start, done in spans:
+        if done is not None:
+            cudart.cudaEventSynchronize(done)
+            err, ms = cudart.cudaEventElapsedTime(start, done)
+            if err == cudart.cudaError_t.cudaSuccess:
+                longest = max(longest, ms / 1e3)
+            cudart.cudaEventDestroy(done)
+        else:
+            cudart.cudaStreamSynchronize(stream)
+        cudart.cudaEventDestroy(start)
+    return longest

@@ -159,9 +159,10 @@ def copy_into(
     cuda: CudaCopier | None,
     ready: dict[int, object] | None,
     own_storage: set[int] = frozenset(),
-) -> tuple[list[torch.Tensor], int]:
-    """Copy ``sources`` into ``lease`` at ``offsets``; return the copies and the bytes that did
-    not fit (staged in pageable memory instead). Gaps in the lease are zeroed.
+) -> tuple[list[torch.Tensor], int, float | None]:
+    """Copy ``sources`` into ``lease`` at ``offsets``; return the copies, the bytes that did
+    not fit (staged in pageable memory instead) and the seconds the GPU copies took on the GPU
+    (None: none made with cuda-python). Gaps in the lease are zeroed.
 
     Sources numbered in ``own_storage`` (DTensor locals) get a storage of their own: torch
     pickles a DTensor whose local tensor sits at a storage offset as a plain tensor.
@@ -199,9 +200,8 @@ def copy_into(
             dst.copy_(src)
     if lease is not None:
         _zero_gaps(lease, filled)
-    if gpu:
-        cuda.copy(gpu, "d2h", after=ready)
-    return staged, overflow
+    device_s = cuda.copy(gpu, "d2h", after=ready) if gpu else None
+    return staged, overflow, device_s
 
 
 def _zero_gaps(lease: Lease, filled: list[tuple[int, int]]) -> None:

@@ -15,12 +15,16 @@ log = logging.getLogger("dcp_datastates")
 class SaveStats:
     """One rank's figures for one save. Times are seconds from ``start`` (the ``async_save``
     call, or the set-up of a plain ``dcp.save``); ``None`` where not measured (a plain save
-    takes no snapshot). ``overflow_bytes`` were staged outside the cache, which was full."""
+    takes no snapshot). ``copy_s``: the GPU time of the snapshot's device-to-host copies, from
+    their first byte (``snapshot_s`` also counts the wait for the work queued on the GPU before
+    the call, whose results the snapshot copies). ``overflow_bytes`` were staged outside the
+    cache, which was full."""
 
     backend: str
     start: float = field(default_factory=time.perf_counter)
     blocking_s: float | None = None
     snapshot_s: float | None = None
+    copy_s: float | None = None
     staged_bytes: int = 0
     overflow_bytes: int = 0
     bytes_written: int = 0

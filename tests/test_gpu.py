@@ -82,6 +82,23 @@ def test_gpu_round_trip_bit_exact(tmp_path, cache: str, engine_of) -> None:
     assert_same(out, expected)
 
 
+def test_snapshot_reports_the_gpu_time_of_its_copies(tmp_path, engine_of) -> None:
+    """``copy_s``: the copies' own time on the GPU, within the snapshot's wall time, and none
+    for a state without GPU tensors."""
+    writer = DataStatesWriter(engine=engine_of("1GiB"))
+    for name, state, on_gpu in [("gpu", gpu_state(3), True),
+                                ("cpu", {"w": torch.arange(1 << 20)}, False)]:
+        resp = dcp.async_save(state, checkpoint_id=tmp_path / name, storage_writer=writer,
+                              no_dist=True)
+        resp.staging_completion.result()
+        resp.upload_completion.result()
+        st = writer.last_stats()
+        if on_gpu:
+            assert 0 < st.copy_s <= st.snapshot_s, (st.copy_s, st.snapshot_s)
+        else:
+            assert st.copy_s is None
+
+
 def test_fresh_default_writer_per_save_on_gpu(tmp_path) -> None:
     """DCP's idiom: a new writer and reader per call, default arguments, 5 rounds."""
     for i in range(5):
@@ -204,6 +221,8 @@ def test_manager_snapshots_every_step_into_pinned_slots(tmp_path, engine_of) -> 
                 manager.save(step, state)
             manager.wait()
             handle.remove()
+            figures = [f for f in manager.history if f.step > 1]
+            assert figures and all(0 < f.copy_s <= f.snapshot_s for f in figures), figures
             for step in (5, 6):
                 out = {"model": {k: torch.zeros_like(v) for k, v in saved[step].items()}}
                 assert manager.load(out, step=step) == step

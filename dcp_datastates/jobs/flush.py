@@ -190,7 +190,7 @@ def _host_copies(job: SaveJob, tensors: list[torch.Tensor],
     devices = {t.device.index for t in sources}
     ready = cuda.record_current(devices) if cuda is not None else None
     try:
-        copies, _ = copy_into(lease, sources, [offsets[k] - shift for k in gpu], cuda, ready)
+        copies, _, _ = copy_into(lease, sources, [offsets[k] - shift for k in gpu], cuda, ready)
     finally:
         if ready is not None:
             cuda.destroy_events(ready)

@@ -113,8 +113,8 @@ class SaveJob:
             lease = self._target_lease(total, len(sources))
             snapshot = Snapshot(self.hold(lease or self.reserve(total)), placements,
                                 in_target=lease is not None)
-            staged, snapshot.overflow = copy_into(snapshot.lease, sources, offsets,
-                                                  self.engine.cuda, ready, dtensors)
+            staged, snapshot.overflow, self.stats.copy_s = copy_into(
+                snapshot.lease, sources, offsets, self.engine.cuda, ready, dtensors)
             sources.clear()  # the copies are done: the sources may be changed or freed
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             state = rebuild(skeleton, staged, {})

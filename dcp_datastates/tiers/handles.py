@@ -31,6 +31,7 @@ class SaveFigures:
     bytes: int = 0
     blocked_s: float | None = None
     snapshot_s: float | None = None
+    copy_s: float | None = None  # the snapshot's GPU copies, on the GPU (SaveStats.copy_s)
     memory_s: float | None = None
     persist_s: float | None = None
     replicated: bool = False

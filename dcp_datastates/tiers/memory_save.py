@@ -76,8 +76,12 @@ class MemorySaver:
         handle = SaveHandle(step, staged, committed)
         handle.figures.blocked_s = time.perf_counter() - start
         handle.figures.bytes = nbytes
-        handle.staged.add_done_callback(
-            lambda _f: setattr(handle.figures, "snapshot_s", time.perf_counter() - start))
+        stats, figures = writer.last_stats(), handle.figures
+
+        def snapshot_done(_f: Future) -> None:
+            figures.snapshot_s = time.perf_counter() - start
+            figures.copy_s = stats.copy_s if stats is not None else None
+        handle.staged.add_done_callback(snapshot_done)
         return handle
 
     def _admit(self, step: int, nbytes: int, reuse: int) -> None:
