@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -264,7 +266,64 @@ def restart(tr: Trainer, manager: CheckpointManager, engine: Engine) -> dict:
              no_dist=True)
     sync()
     return {"step": step, "memory_s": memory_s, "durable_cold_s": time.perf_counter() - t,
-            "evict": how}
+            "evict": how, **resume_in_child(manager)}
+
+
+RESUMED = "RESUMED "
+
+
+def resume_in_child(manager: CheckpointManager) -> dict:
+    """A new process resumes from the memory tier (as a job restarted after a crash: a new
+    manager, ``load``, ``prepare``, a training step, a save): its marks in seconds from its
+    start, and the goal's ratio: manager + load + prepare + first step over the load."""
+    t0 = time.time()
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
+                          "--resume-child", str(manager.memory), str(manager.durable)],
+                         capture_output=True, text=True, timeout=900)
+    line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith(RESUMED)), None)
+    if line is None:
+        log(f"resume child failed (rc {out.returncode}): {out.stderr[-3000:]}")
+        return {}
+    got = json.loads(line[len(RESUMED):])
+    marks = {k: v - t0 for k, v in got.pop("marks").items()}
+    load_s = marks["loaded"] - marks["manager"]
+    to_step = marks["first_step"] - marks["manager"]
+    return {"resume": {**got, "marks": marks, "load_s": load_s, "to_first_step_s": to_step,
+                       "over_load": to_step / load_s if load_s else None,
+                       "start_to_first_step_s": marks["first_step"]}}
+
+
+def resume_child(args: argparse.Namespace, device: str) -> None:
+    """The child of :func:`resume_in_child`: prints its marks (``time.time()``) as JSON."""
+    marks = {"imported": time.time()}
+    tr = Trainer(args, device)
+    tr.step()  # the optimizer state exists to load into, as in any DCP resume
+    sync()
+    memory, durable = args.resume_child
+    state = tr.state(0)
+    marks["manager"] = time.time()
+    manager = CheckpointManager(durable, memory_dir=memory, keep_memory=1, persist=None)
+    marks["made"] = time.time()
+    step = manager.load(state)
+    sync()
+    marks["loaded"] = time.time()
+    manager.prepare(state)  # slots sized and pinned in the background
+    marks["prepared"] = time.time()
+    tr.step()
+    sync()
+    marks["first_step"] = time.time()
+    tr.step()
+    sync()
+    marks["second_step"] = time.time()
+    handle = manager.save(step + 1, tr.state(step + 1))  # while the slots are being pinned
+    handle.committed.result()
+    marks["first_save"] = time.time()
+    manager.close()
+    marks["closed"] = time.time()
+    f = handle.figures
+    print(RESUMED + json.dumps({"marks": marks, "step": step, "save_blocked_s": f.blocked_s,
+                                "save_snapshot_s": f.snapshot_s, "save_memory_s": f.memory_s}),
+          flush=True)
 
 
 MODES = {
@@ -472,22 +531,29 @@ def tier_tables(res: dict) -> list[Table]:
               [("mode", ""), ("saves", "d"), ("skipped", "d"), ("committed/min", ".1f"),
                ("persisted", "d"), ("per min", ".1f"),
                ("persist GiB/s", ".2f"), ("of disk", ".0f%"), ("memory s", ".2f"),
-               ("restart mem s", ".2f"), ("cold disk s", ".2f"), ("speed-up", ".1f")])
+               ("restart mem s", ".2f"), ("cold disk s", ".2f"), ("speed-up", ".1f"),
+               ("resume step s", ".2f"), ("÷ load", ".2f")])
     for mode, r in runs.items():
         gib_s = r["persisted"] * r["bytes"] / 2**30 / r["span_s"] if r["span_s"] else None
         rs = r.get("restart", {})
+        rz = rs.get("resume", {})
         t.add(mode, r["saves"], r.get("skipped", 0), 60 * r["saves"] / r["span_s"],
               r["persisted"], 60 * r["persisted"] / r["span_s"], gib_s,
               100 * gib_s / disk["write_gib_s"] if gib_s and disk.get("write_gib_s") else None,
               median(r["memory_s"]), rs.get("memory_s"), rs.get("durable_cold_s"),
-              rs["durable_cold_s"] / rs["memory_s"] if rs.get("memory_s") else None)
+              rs["durable_cold_s"] / rs["memory_s"] if rs.get("memory_s") else None,
+              rz.get("to_first_step_s"), rz.get("over_load"))
     t.notes = ["saves: taken (committed in memory); skipped: refused under max_overhead; "
                "committed/min: memory-tier checkpoints per minute of training",
                "per min: checkpoints persisted per minute of training; persist GiB/s: their "
                "bytes over the mode's span; of disk: that against the disk write ceiling",
                "memory s: median time from save() to the memory-tier commit; restart: a new "
                "manager loading the newest step from memory, vs a cold DataStatesReader load "
-               "of the same step from the durable tier"]
+               "of the same step from the durable tier",
+               "resume step s: a new process (started after the mode) from a new manager to "
+               "the end of its first training step after load (manager, load, prepare: slots "
+               "pinned in the background, one step); ÷ load: that over its memory load (goal "
+               "<= 2); its marks and first save (taken while pinning) are in the JSON"]
     return [t]
 
 
@@ -534,6 +600,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/bench_training", help="checkpoint directory")
     ap.add_argument("--skip", nargs="*", default=[], choices=list(MODES), metavar="MODE",
                     help=f"modes to leave out: {', '.join(MODES)}")
+    ap.add_argument("--resume-child", nargs=2, metavar=("MEMORY", "DURABLE"),
+                    help=argparse.SUPPRESS)  # the process resume_in_child starts
     args = ap.parse_args()
     if args.preset == "8g":
         args.layers, args.batch, args.fp32 = 12, 8, True
@@ -543,6 +611,8 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("no CUDA device; use --cpu-smoke to check the script on CPU")
     device = "cpu" if args.cpu_smoke else "cuda"
+    if args.resume_child:
+        return resume_child(args, device)
     root = Path(args.dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
 

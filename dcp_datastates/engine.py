@@ -125,8 +125,8 @@ class _Pinning:
             raise
         return arena
 
-    def unpin_and_free(self, arena: Arena) -> None:
-        if self.cuda is not None:
+    def unpin_and_free(self, arena: Arena, pinned: bool = True) -> None:
+        if self.cuda is not None and pinned:
             self.cuda.unpin(arena.addr)
         arena.free()
 
@@ -137,6 +137,57 @@ class _Pinning:
                 f"cannot free the {arena.pool.name} cache: {arena.pool.live} lease(s) still live")
         self.io.unregister(arena.addr, arena.nbytes)
         self.unpin_and_free(arena)
+
+
+class _FileArenas:
+    """Arenas of files mapped through the engine (memory-tier slots), pinned or not yet."""
+
+    def __init__(self, pins: _Pinning) -> None:
+        self.pins = pins
+        self._lock = threading.Lock()
+        self._pinned: dict[Arena, bool] = {}
+        self.closed = False
+
+    def map(self, fd: int, nbytes: int, name: str, pin: bool) -> Arena:
+        arena = Arena(nbytes, name, fd=fd)
+        if pin:
+            self.pins.pinned(arena)
+        with self._lock:
+            closed = self.closed
+            if not closed:
+                self._pinned[arena] = pin
+        if closed:  # the engine closed meanwhile: nothing may outlive it
+            self.pins.unpin_and_free(arena, pin)
+            raise RuntimeError("this dcp_datastates Engine is closed")
+        return arena
+
+    def pin(self, arena: Arena) -> None:
+        with self._lock:
+            if self.pins.cuda is None or self._pinned.get(arena, True):
+                return
+        self.pins.cuda.pin(arena.addr, arena.nbytes)
+        with self._lock:
+            kept = arena in self._pinned
+            if kept:
+                self._pinned[arena] = True
+        if not kept:  # freed meanwhile (the engine closed): no registration outlives it
+            self.pins.cuda.unpin(arena.addr)
+
+    def unmap(self, arena: Arena) -> None:
+        with self._lock:
+            if arena not in self._pinned:
+                return  # freed already (by close)
+            if arena.pool.live:
+                raise RuntimeError(f"cannot unmap {arena.pool.name}: a save still holds it")
+            pinned = self._pinned.pop(arena)
+        self.pins.unpin_and_free(arena, pinned)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            arenas, self._pinned = self._pinned, {}
+        for arena, pinned in arenas.items():
+            self.pins.unpin_and_free(arena, pinned)
 
 
 class Engine:
@@ -192,7 +243,7 @@ class Engine:
         self._snapshot: Arena | None = None
         self._bounce: Arena | None = None
         self._retiring: list[Arena] = []
-        self._file_arenas: list[Arena] = []  # memory-tier slots mapped through map_file
+        self._files = _FileArenas(self._pins)  # memory-tier slots mapped through map_file
         self.saves: Saves | None = None  # attached by jobs/ordering.py at the first save
         self._work: list[Work] = []  # loads in progress, managers not closed
         self.closed = False
@@ -268,32 +319,23 @@ class Engine:
         self.free_retired()
         return arena
 
-    def map_file(self, fd: int, nbytes: int, name: str) -> Arena:
+    def map_file(self, fd: int, nbytes: int, name: str, *, pin: bool = True) -> Arena:
         """The first ``nbytes`` of the file ``fd`` mapped shared and pinned for GPU copies:
         an arena of the caller's (a memory-tier slot), freed by :meth:`unmap_file` or at
-        :meth:`close`. Pinning costs about 0.5 s per GiB."""
-        with self._grow_lock:
-            self.check_open()
-        arena = self._pins.pinned(Arena(nbytes, name, fd=fd))
-        with self._grow_lock:
-            closed = self.closed
-            if not closed:
-                self._file_arenas.append(arena)
-        if closed:  # closed meanwhile: nothing may outlive the engine
-            self._pins.unpin_and_free(arena)
-            self.check_open()
-        return arena
+        :meth:`close`. Pinning costs about 0.5 s per GiB; with ``pin=False`` the arena is
+        mapped only (copies into it work, slower) until :meth:`pin_file`."""
+        self.check_open()
+        return self._files.map(fd, nbytes, name, pin)
+
+    def pin_file(self, arena: Arena) -> None:
+        """Pin an arena of ``map_file(pin=False)`` on the caller's thread (no copy into it
+        may run meanwhile); nothing to do without a GPU, or where it is pinned."""
+        self._files.pin(arena)
 
     def unmap_file(self, arena: Arena) -> None:
         """Unpin and unmap an arena of :meth:`map_file` (idempotent; raises while a lease of
         it is live)."""
-        with self._grow_lock:
-            if arena not in self._file_arenas:
-                return  # freed already (by close)
-            if arena.pool.live:
-                raise RuntimeError(f"cannot unmap {arena.pool.name}: a save still holds it")
-            self._file_arenas.remove(arena)
-        self._pins.unpin_and_free(arena)
+        self._files.unmap(arena)
 
     def free_retired(self) -> None:
         with self._grow_lock:
@@ -378,13 +420,11 @@ class Engine:
         self.hash_pool.shutdown(wait=True)
         with self._grow_lock:
             arenas = [a for a in (self._snapshot, self._bounce, *self._retiring) if a]
-            files, self._file_arenas = self._file_arenas, []
             self._snapshot = self._bounce = None
             self._retiring = []
         for arena in arenas:
             self._pins.free(arena)
-        for arena in files:
-            self._pins.unpin_and_free(arena)
+        self._files.close()
         if self.cuda is not None:
             self.cuda.close()
         if self._owns_io:

@@ -163,3 +163,24 @@ class SlowGuardEngine(Engine):
         super().wait_for_snapshots()
         self.clock.now += self.next_wait_s
         self.next_wait_s = 0.0
+
+
+class HeldPinEngine(Engine):
+    """An engine whose ``pin_file`` (the pinning of memory-tier slots, on the slot pool's
+    thread) waits until ``gate`` is set; ``pinning`` is set once a pin waits, ``fail`` makes
+    the pins raise instead. ``pinned`` counts the pins done."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.gate, self.pinning = threading.Event(), threading.Event()
+        self.fail = False
+        self.pinned = 0
+
+    def pin_file(self, arena: object) -> None:
+        self.pinning.set()
+        if self.fail:
+            raise RuntimeError("cudaHostRegister failed: cudaErrorMemoryAllocation (fake)")
+        if not self.gate.wait(60):
+            raise RuntimeError("the test never let the pinning go on")
+        super().pin_file(arena)
+        self.pinned += 1

@@ -1,7 +1,7 @@
 """Memory-tier slots: files of the memory tier that snapshots are copied into directly.
 
-A slot is a file on the memory tier's file system (tmpfs), mapped shared and pinned once by the
-engine (:meth:`~dcp_datastates.Engine.map_file`) and reused save after save. A managed save
+A slot is a file on the memory tier's file system (tmpfs), mapped shared by the engine
+(:meth:`~dcp_datastates.Engine.map_file`) and reused save after save. A managed save
 snapshots its state straight into a slot, laid out as the data file lays it out after a header
 room; the save job then writes only the header and the bytes items, and renames the slot's file
 into the step directory as that step's data file: the snapshot *is* the memory-tier copy, with
@@ -9,9 +9,15 @@ no second copy. When retention drops the step, its ``.metadata`` goes first and 
 back to the slot directory, free for a later save. A slot whose file is gone (a failed save
 removed it) is unmapped and forgotten.
 
-Slot files live in ``<memory_dir>/.slots.<pid>.<token>`` (one directory per pool, so two managers
-of a process on one tier keep theirs apart); a new pool deletes those of processes that are
-gone (a slot holds no checkpoint until it is renamed into a step directory).
+Pinning (seconds per GiB) never delays a save: a slot is mapped unpinned, and the pool's
+pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save takes a pinned
+free slot if there is one, else an unpinned one (its snapshot is copied at pageable speed).
+
+Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
+manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
+left by a manager that is gone (killed): the new pool adopts its files as free slots (their
+pages are reused where their size covers the state's; pinning is per process, so they are
+pinned again in the background), up to its ``limit``; the rest are removed.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 from ..align import ALIGN, round_up
 from ..directory import new_token
 from ..host_cache import Arena, Lease
-from .steps import alive
+from .slot_pinning import Background
 
 log = logging.getLogger("dcp_datastates")
 
@@ -50,28 +56,35 @@ class Slot:
         self.path = self.home
         self.room = 0  # the data starts here
         self.arena: Arena | None = None
-        self.fd = -1  # the file is made by the first fit()
+        self.fd = -1  # the file is made by the first fit(), or adopted (a dead process's)
+        self.pinned = False  # by the pool's thread (or nothing to pin: no GPU)
 
     def __str__(self) -> str:
         return f"memory-tier slot {self.home}"
 
     @property
     def nbytes(self) -> int:
-        return self.arena.nbytes if self.arena is not None else 0
+        """Bytes the slot takes on the tier."""
+        if self.arena is not None:
+            return self.arena.nbytes
+        return os.fstat(self.fd).st_size if self.fd >= 0 else 0
 
     def fit(self, total: int, entries: int) -> None:
         """Size the slot for ``total`` bytes of data after the header room for ``entries``
-        tensors, mapping and pinning it again if its size changes (seconds per GiB)."""
+        tensors, mapping it again, unpinned, if its size changes. An adopted file keeps its
+        pages where it covers that size; any other file is emptied first (no stale bytes)."""
         room = max(self.room, header_room(entries))
         size = room + round_up(total)
         if self.arena is not None and self.arena.nbytes == size and self.room == room:
             return
+        adopted = self.arena is None and self.fd >= 0
         self.unmap()
         if self.fd < 0:
             self.fd = os.open(self.home, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        os.ftruncate(self.fd, 0)  # no stale bytes of an earlier size
+        covers = adopted and round_up(os.fstat(self.fd).st_size) >= size
+        os.ftruncate(self.fd, size if covers else 0)
         os.posix_fallocate(self.fd, 0, size)  # ENOSPC now, not SIGBUS at a copy into a hole
-        self.arena = self.pool.engine.map_file(self.fd, size, f"memory-tier slot {self.home}")
+        self.arena = self.pool.engine.map_file(self.fd, size, str(self), pin=False)
         self.room = room
 
     def lease(self, total: int, entries: int) -> Lease | None:
@@ -94,6 +107,7 @@ class Slot:
         if self.arena is not None:
             self.pool.engine.unmap_file(self.arena)
             self.arena = None
+        self.pinned = False
 
     def close(self) -> None:
         """Unmap the slot and close its file (the file stays where it is)."""
@@ -104,7 +118,8 @@ class Slot:
 
 
 class SlotPool:
-    """A memory tier's slots: ``limit`` at most, free or holding a step's data file."""
+    """A memory tier's slots: ``limit`` at most, free or holding a step's data file; free ones
+    are sized (after :meth:`prepare`) and pinned by a thread of the pool's, one at a time."""
 
     def __init__(self, engine: object, memory: Path, limit: int) -> None:
         self.engine = engine
@@ -112,19 +127,24 @@ class SlotPool:
         self.limit = limit
         self._free: list[Slot] = []
         self._held: dict[Path, Slot] = {}  # step directory -> its slot
+        self._readying: Slot | None = None  # a free slot the pool's thread sizes or pins
+        self._want: tuple[int, int] | None = None  # the size prepare() gave: (total, entries)
         self._count = 0  # slots mapped now
         self._names = itertools.count()
         self._lock = threading.Lock()
-        self._warned = False
-        _remove_dead_pools(memory)
+        self._warned = self._failed = False
         self.directory.mkdir(parents=True)
+        self._adopt_dead_pools(memory)
+        self._thread = Background(self._ready_one, "dcp_datastates-pin")
 
     def take(self, warn: bool = True) -> Slot | None:
-        """A free slot (made if fewer than ``limit`` exist); None when all are in use (logged
-        once, with ``warn``: the save is copied into the tier instead)."""
+        """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
+        exist); None when all are in use (logged once, with ``warn``: the save is copied into
+        the tier instead)."""
         with self._lock:
             if self._free:
-                slot = self._free.pop()
+                slot = max(reversed(self._free), key=lambda s: (s.pinned, s.fd >= 0))
+                self._free.remove(slot)
             elif self._count < self.limit:
                 slot = Slot(self, next(self._names))
                 self._count += 1
@@ -138,18 +158,46 @@ class SlotPool:
             return slot
 
     def prepare(self, total: int, entries: int) -> None:
-        """Make every slot now and size it for ``total`` bytes of ``entries`` tensors."""
+        """Make every slot now; the pool's thread sizes each for ``total`` bytes of
+        ``entries`` tensors and pins it, in the background."""
         with self._lock:
+            self._want = (total, entries)
             while self._count < self.limit:
                 self._free.append(Slot(self, next(self._names)))
                 self._count += 1
-            for slot in self._free:
-                slot.fit(total, entries)
+        self._thread.wake()
+
+    def _ready_one(self) -> bool:
+        """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
+        when none needs it."""
+        with self._lock:
+            slot = None if self._failed else next(
+                (s for s in self._free if not s.pinned
+                 and (s.arena is not None or self._want is not None)), None)
+            if slot is None:
+                return False
+            self._free.remove(slot)
+            self._readying, want = slot, self._want
+        try:
+            if slot.arena is None:
+                slot.fit(*want)
+            self.engine.pin_file(slot.arena)
+            slot.pinned = True
+        except Exception as exc:  # noqa: BLE001 - no caller: saves go on, unpinned
+            log.warning("dcp_datastates: %s not pinned (%s); no more slots are pinned: "
+                        "snapshots into them are copied at pageable speed", slot, exc)
+            self._failed = True
+        finally:
+            with self._lock:
+                self._readying = None
+                self._free.append(slot)
+        return True
 
     def free_bytes(self) -> int:
         """Bytes that free slots take on the tier (a save can reuse them)."""
         with self._lock:
-            return sum(s.nbytes for s in self._free)
+            free = [*self._free, *([self._readying] if self._readying else [])]
+            return sum(s.nbytes for s in free)
 
     def settle(self, slot: Slot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
@@ -163,17 +211,20 @@ class SlotPool:
         if replaced is not None:
             self._forget(replaced)
         with self._lock:
-            if slot.path == slot.home:
+            free = slot.path == slot.home
+            if free:
                 self._free.append(slot)
-                return
-            if committed and slot.path.parent == directory and slot.path.exists():
+            elif committed and slot.path.parent == directory and slot.path.exists():
                 self._held[directory] = slot
                 return
-        self._forget(slot)
+        if not free:
+            self._forget(slot)
+        elif not slot.pinned:
+            self._thread.wake()
 
     def reclaim(self, directory: Path) -> None:
         """The step ``directory`` is being dropped (its ``.metadata`` is gone): its slot
-        goes back home, free."""
+        goes back home, free (and pinned in the background if it is not)."""
         with self._lock:
             slot = self._held.pop(directory, None)
         if slot is None:
@@ -186,6 +237,8 @@ class SlotPool:
             return
         with self._lock:
             self._free.append(slot)
+        if not slot.pinned:
+            self._thread.wake()
 
     def _forget(self, slot: Slot) -> None:
         with self._lock:
@@ -195,7 +248,9 @@ class SlotPool:
             slot.home.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Unmap every slot; remove the free ones (held ones are steps' data files)."""
+        """Stop the pool's thread; unmap every slot; remove the free ones (held ones are
+        steps' data files)."""
+        self._thread.close()
         with self._lock:
             slots = [*self._free, *self._held.values()]
             self._free, self._held = [], {}
@@ -203,10 +258,27 @@ class SlotPool:
             self._forget(slot)
         shutil.rmtree(self.directory, ignore_errors=True)
 
-
-def _remove_dead_pools(memory: Path) -> None:
-    """Delete slot directories of processes that are gone."""
-    for entry in memory.glob(f"{SLOT_DIR_PREFIX}*"):
-        pid = entry.name[len(SLOT_DIR_PREFIX):].split(".")[0]
-        if pid.isdigit() and not alive(int(pid)):
+    def _adopt_dead_pools(self, memory: Path) -> None:
+        """Take the slot files of the other pools' directories (left by managers that are
+        gone: this one's holds the tier's claim) as free slots, up to ``limit``; remove the
+        rest. Their size is checked when a save or :meth:`prepare` sizes them."""
+        adopted = 0
+        for entry in memory.glob(f"{SLOT_DIR_PREFIX}*"):
+            if entry == self.directory:
+                continue
+            for path in sorted(entry.glob("slot_*")):
+                if self._count < self.limit and path.is_file() and not path.is_symlink():
+                    slot = Slot(self, next(self._names))
+                    try:
+                        os.rename(path, slot.home)
+                        slot.fd = os.open(slot.home, os.O_RDWR | os.O_CLOEXEC)
+                    except OSError as exc:
+                        log.warning("dcp_datastates: %s not adopted (%s)", path, exc)
+                        continue
+                    self._free.append(slot)
+                    self._count += 1
+                    adopted += 1
             shutil.rmtree(entry, ignore_errors=True)
+        if adopted:
+            log.info("dcp_datastates: %d memory-tier slot(s) of a process that is gone adopted "
+                     "into %s", adopted, self.directory)

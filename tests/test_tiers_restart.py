@@ -1,0 +1,201 @@
+"""Resuming at memory speed (issue 17, point 5): the memory tier's slots are pinned in the
+background, so a save is taken while pinning is still under way (into an unpinned slot), and a
+manager started after a process was killed adopts the slot files that process left in the tier
+instead of deleting them. Pinning is held through an injected engine (``HeldPinEngine``); no
+test is timed against the wall clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MARKS, Tiers, assert_state_equal, blank_like, data_files, rand_tensor
+from fakes import HeldPinEngine
+from test_tiers import ROOT, TESTS, make_state, steps_in
+
+from dcp_datastates import CheckpointManager
+
+MiB = 1 << 20
+
+pytestmark = MARKS
+
+
+@pytest.fixture
+def held() -> Iterator[HeldPinEngine]:
+    """An engine whose slot pinning waits until the test sets ``gate``."""
+    made = HeldPinEngine(io_backend="threads", host_cache_size="8MiB", io_workers=4)
+    try:
+        yield made
+    finally:
+        made.gate.set()
+        leases = made.live_leases()
+        made.close()
+        assert leases == 0, f"{leases} lease(s) still held after the test"
+
+
+def slot_files(memory: Path) -> dict[Path, int]:
+    """The slot files of every slot directory of ``memory``, and their inodes."""
+    return {p: p.stat().st_ino for p in memory.glob(".slots.*/slot_*")}
+
+
+def in_use_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "slots are in use" in r.getMessage()]
+
+
+# -- pinning in the background -------------------------------------------------------------------
+def test_prepare_and_saves_do_not_wait_for_pinning(tiers: Tiers, held: HeldPinEngine,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """prepare() returns while the pool's thread is held in the first pin; saves are taken
+    meanwhile (into slots not pinned yet: a slower copy, never a lost save) and load exactly;
+    once pinning goes on, every free slot gets pinned, and close() joins the thread."""
+    caplog.set_level(logging.WARNING, logger="dcp_datastates")
+    states = {s: make_state(s, big=MiB + 3) for s in (1, 2, 3)}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                           persist=None, engine=held) as manager:
+        manager.prepare(states[1])
+        assert held.pinning.wait(30), "the pool's thread never started pinning"
+        for step, state in states.items():
+            manager.save(step, state).result(timeout=30)
+            manager.wait()
+        assert not held.gate.is_set() and held.pinned == 0, "every save ran while held"
+        out = blank_like(states[3])
+        assert manager.load(out) == 3
+        assert_state_equal(out, states[3])
+        held.gate.set()
+        manager.save(4, states[1]).result(timeout=30)
+        manager.wait()
+    assert held.pinned >= 1
+    assert in_use_warnings(caplog) == [], "the saves went into slots"
+    assert steps_in(tiers.memory) == [4]
+    assert slot_files(tiers.memory) == {}, "close() removes the free slots"
+
+
+def test_a_pin_that_fails_is_logged_and_saves_go_on(tiers: Tiers, held: HeldPinEngine,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Pinning that fails (cudaHostRegister refused) stops the background pinning with one
+    warning; the slots stay in use, unpinned."""
+    caplog.set_level(logging.WARNING, logger="dcp_datastates")
+    held.fail = True
+    state = make_state(5, big=MiB)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                           persist=None, engine=held) as manager:
+        manager.prepare(state)
+        assert held.pinning.wait(30)
+        for step in (1, 2, 3):
+            manager.save(step, state).result(timeout=30)
+        manager.wait()
+        out = blank_like(state)
+        assert manager.load(out) == 3
+        assert_state_equal(out, state)
+    warned = [r.getMessage() for r in caplog.records if "not pinned" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert in_use_warnings(caplog) == []
+
+
+# -- a restart after kill -9 ---------------------------------------------------------------------
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_tiers import make_state
+    from dcp_datastates import CheckpointManager, Engine
+
+    memory, durable, big = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    engine = Engine(io_backend="threads", host_cache_size="8MiB")
+    manager = CheckpointManager(durable, memory_dir=memory, keep_memory=1, persist=None,
+                                engine=engine)
+    manager.prepare(make_state(1, big))
+    for step in (1, 2, 3):
+        manager.save(step, make_state(step, big)).committed.result(timeout=60)
+    manager.wait()  # retention dropped steps 1 and 2: their slots are free again
+    print("COMMITTED", flush=True)
+    time.sleep(600)  # the test kills us
+    """
+)
+
+
+def run_and_kill(tiers: Tiers, big: int) -> None:
+    """A process that saves steps 1..3 of ``make_state(step, big)`` into the memory tier,
+    killed with SIGKILL once they are committed."""
+    env = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    err = tiers.scratch / "child.err"
+    err.parent.mkdir(parents=True, exist_ok=True)
+    with open(err, "w") as errfile:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD.format(tests=str(TESTS)), str(tiers.memory),
+             str(tiers.durable), str(big)],
+            stdout=subprocess.PIPE, stderr=errfile, env=env, text=True)
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        line = child.stdout.readline() if ready else ""
+        assert line.strip() == "COMMITTED", (line, child.poll(), err.read_text()[-3000:])
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+
+
+def test_restart_adopts_the_dead_process_slots(tiers: Tiers, held: HeldPinEngine,
+                                               logs: pytest.LogCaptureFixture) -> None:
+    """After kill -9, a new manager takes the free slot files the dead process left (same
+    inodes, moved into its own slot directory: no new file), loads the newest committed step
+    exactly, and snapshots its next save into one of them while their pinning is still held;
+    the dead process's slot directory is gone."""
+    run_and_kill(tiers, big=MiB + 7)
+    left = slot_files(tiers.memory)
+    assert len(left) >= 2, "the dead process left its free slots"
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                           persist=None, engine=held) as manager:
+        adopted = slot_files(tiers.memory)
+        assert sorted(adopted.values()) == sorted(left.values())
+        assert not set(adopted) & set(left), "moved into the new manager's slot directory"
+        expected = make_state(3, big=MiB + 7)
+        out = blank_like(expected)
+        assert manager.load(out) == 3
+        assert_state_equal(out, expected)
+        manager.prepare(expected)
+        assert held.pinning.wait(30)
+        state = make_state(4, big=MiB + 7)
+        manager.save(4, state).result(timeout=30)
+        manager.wait()
+        (data,) = data_files(tiers.memory / "step_4")
+        assert data.stat().st_ino in left.values(), "the save went into an adopted slot"
+        assert held.pinned == 0, "taken while pinning was held"
+        held.gate.set()
+    assert any("adopted" in r.getMessage() for r in logs.records)
+    assert steps_in(tiers.memory) == [4]
+    assert_state_equal(out, expected)
+    assert slot_files(tiers.memory) == {}
+
+
+def test_restart_with_a_larger_state_resizes_the_adopted_slots(tiers: Tiers,
+                                                               held: HeldPinEngine) -> None:
+    """Adopted slots too small for the new state are emptied and sized anew (their pages
+    are not kept): the saves of the larger state load exactly."""
+    run_and_kill(tiers, big=4096)
+    assert slot_files(tiers.memory)
+    held.gate.set()
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                           persist=None, engine=held) as manager:
+        for step in (4, 5):
+            state = {"x": rand_tensor((3 * MiB,), torch.uint8, step)}
+            manager.save(step, state).result(timeout=30)
+            manager.wait()
+            out = blank_like(state)
+            assert manager.load(out) == step
+            assert_state_equal(out, state)
+    assert steps_in(tiers.memory) == [5]
