@@ -158,7 +158,7 @@ def main() -> None:
     shutil.rmtree(MEM, ignore_errors=True)
     manager = CheckpointManager(Path(a.dir) / "durable", memory_dir=MEM, keep_memory=2,
                                 persist=None, engine=engine)
-    manager.prepare(state)
+    manager.prepare(state, wait=True)
     writer = DataStatesWriter(engine=engine, overwrite=True)
     res: dict = {}
     try:

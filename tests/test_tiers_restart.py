@@ -53,6 +53,24 @@ def in_use_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 # -- pinning in the background -------------------------------------------------------------------
+def test_prepare_wait_returns_once_every_slot_is_pinned(tiers: Tiers,
+                                                        held: HeldPinEngine) -> None:
+    """prepare(wait=True) (a benchmark's set-up, off the clock): the calling thread helps the
+    pool's thread and returns with every slot sized and pinned; saves then go into them."""
+    held.gate.set()
+    state = make_state(1, big=MiB + 3)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                           persist=None, engine=held) as manager:
+        manager.prepare(state, wait=True)
+        made = slot_files(tiers.memory)
+        assert len(made) >= 2 and held.pinned == len(made), (made, held.pinned)
+        manager.save(1, state).result(timeout=30)
+        manager.wait()
+        out = blank_like(state)
+        assert manager.load(out) == 1
+        assert_state_equal(out, state)
+
+
 def test_prepare_and_saves_do_not_wait_for_pinning(tiers: Tiers, held: HeldPinEngine,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """prepare() returns while the pool's thread is held in the first pin; saves are taken

@@ -196,14 +196,13 @@ class CheckpointManager:
             self._budget.taken(handle)
         return handle
 
-    def prepare(self, state: dict) -> None:
-        """Have the memory tier's slots sized for states like ``state`` and pinned (about
-        0.8 s per GiB each on a GPU host) in the background; returns at once, and saves meanwhile
-        go into slots not pinned yet (a slower copy)."""
+    def prepare(self, state: dict, wait: bool = False) -> None:
+        """Have the memory tier's slots sized for states like ``state`` and pinned (about 0.8 s
+        per GiB each on a GPU host) in the background; saves meanwhile go into slots not pinned
+        yet (a slower copy). ``wait``: return once every slot is pinned (or pinning failed)."""
         self._check_open("nothing to prepare")
-        if self._slots is None:
-            return
-        self._slots.prepare(*_snapshot_size(state))
+        if self._slots is not None:
+            self._slots.prepare(*_snapshot_size(state), wait=wait)
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for_snapshots(self) -> None:

@@ -127,11 +127,12 @@ class SlotPool:
         self.limit = limit
         self._free: list[Slot] = []
         self._held: dict[Path, Slot] = {}  # step directory -> its slot
-        self._readying: Slot | None = None  # a free slot the pool's thread sizes or pins
+        self._readying: list[Slot] = []  # free slots being sized or pinned (thread, waiter)
         self._want: tuple[int, int] | None = None  # the size prepare() gave: (total, entries)
         self._count = 0  # slots mapped now
         self._names = itertools.count()
         self._lock = threading.Lock()
+        self._readied = threading.Condition(self._lock)  # a slot left _readying
         self._warned = self._failed = False
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
@@ -157,15 +158,21 @@ class SlotPool:
                 return None
             return slot
 
-    def prepare(self, total: int, entries: int) -> None:
+    def prepare(self, total: int, entries: int, wait: bool = False) -> None:
         """Make every slot now; the pool's thread sizes each for ``total`` bytes of
-        ``entries`` tensors and pins it, in the background."""
+        ``entries`` tensors and pins it, in the background (``wait``: the calling thread
+        helps, and returns once no free slot is left to ready)."""
         with self._lock:
             self._want = (total, entries)
             while self._count < self.limit:
                 self._free.append(Slot(self, next(self._names)))
                 self._count += 1
         self._thread.wake()
+        if wait:
+            while self._ready_one():
+                pass
+            with self._lock:
+                self._readied.wait_for(lambda: not self._readying)
 
     def _ready_one(self) -> bool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
@@ -177,7 +184,8 @@ class SlotPool:
             if slot is None:
                 return False
             self._free.remove(slot)
-            self._readying, want = slot, self._want
+            self._readying.append(slot)
+            want = self._want
         try:
             if slot.arena is None:
                 slot.fit(*want)
@@ -189,14 +197,15 @@ class SlotPool:
             self._failed = True
         finally:
             with self._lock:
-                self._readying = None
+                self._readying.remove(slot)
                 self._free.append(slot)
+                self._readied.notify_all()
         return True
 
     def free_bytes(self) -> int:
         """Bytes that free slots take on the tier (a save can reuse them)."""
         with self._lock:
-            free = [*self._free, *([self._readying] if self._readying else [])]
+            free = [*self._free, *self._readying]
             return sum(s.nbytes for s in free)
 
     def settle(self, slot: Slot, directory: Path, committed: bool) -> None:
