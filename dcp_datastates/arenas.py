@@ -235,6 +235,8 @@ class Arenas:
                 self._queued -= 1
 
     def _make_in_background(self, nbytes: int) -> None:
+        with self._lock:
+            self._failed = None  # an earlier failure no save took: this attempt supersedes it
         try:
             self.snapshot_arena(nbytes)
         except BaseException as exc:  # noqa: BLE001 - the save queued behind it gets it

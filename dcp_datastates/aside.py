@@ -50,9 +50,10 @@ class Aside:
 
 
 def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
-          ready: dict[int, object] | None) -> Aside:
-    """Copy ``sources`` aside (GPU copies after the ``ready`` events) and wait for the copies."""
-    places = _places(sources, cuda)
+          ready: dict[int, object] | None, gpu_headroom: float = GPU_HEADROOM) -> Aside:
+    """Copy ``sources`` aside (GPU copies after the ``ready`` events) and wait for the copies.
+    A GPU buffer is made where ``gpu_headroom`` of the device's memory stays free after it."""
+    places = _places(sources, cuda, gpu_headroom)
     offsets, sizes = _pack(sources, places)
     buffers = {p: torch.empty(n, dtype=torch.uint8,
                               device="cpu" if p == HOST else torch.device("cuda", p))
@@ -78,21 +79,22 @@ def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
     return aside
 
 
-def _places(sources: list[torch.Tensor], cuda: CudaCopier | None) -> list[int]:
+def _places(sources: list[torch.Tensor], cuda: CudaCopier | None,
+            headroom: float) -> list[int]:
     """Each source's place: its device where cuda-python copies it and the device has room
     for all of that device's sources, else :data:`HOST`."""
     need: dict[int, int] = {}
     for src in sources:
         if src.is_cuda and cuda is not None:
             need[src.device.index] = need.get(src.device.index, 0) + _padded(src)
-    room = {d: _has_room(d, n) for d, n in need.items()}
+    room = {d: _has_room(d, n, headroom) for d, n in need.items()}
     return [src.device.index if src.is_cuda and room.get(src.device.index) else HOST
             for src in sources]
 
 
-def _has_room(device: int, nbytes: int) -> bool:
+def _has_room(device: int, nbytes: int, headroom: float) -> bool:
     free, total = torch.cuda.mem_get_info(device)
-    return free - nbytes >= GPU_HEADROOM * total
+    return free - nbytes >= headroom * total
 
 
 def _padded(src: torch.Tensor) -> int:
