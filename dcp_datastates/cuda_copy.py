@@ -22,6 +22,9 @@ log = logging.getLogger("dcp_datastates")
 
 #: One copy: (device, destination address, source address, bytes).
 Copy = tuple[int, int, int, int]
+#: The copy kinds of :meth:`CudaCopier.copy`.
+_KINDS = {"d2h": "cudaMemcpyDeviceToHost", "h2d": "cudaMemcpyHostToDevice",
+          "d2d": "cudaMemcpyDeviceToDevice"}
 
 
 @functools.cache
@@ -112,11 +115,10 @@ class CudaCopier:
         took on the GPU (the slowest device; from the first byte, so not the wait for
         ``after``).
 
-        ``kind`` is ``"d2h"`` or ``"h2d"``; ``after`` holds events the copies must wait for
-        (the caller destroys them).
+        ``kind`` is ``"d2h"``, ``"h2d"`` or ``"d2d"`` (within one device); ``after`` holds
+        events the copies must wait for (the caller destroys them).
         """
-        direction = (cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost if kind == "d2h"
-                     else cudart.cudaMemcpyKind.cudaMemcpyHostToDevice)
+        direction = getattr(cudart.cudaMemcpyKind, _KINDS[kind])
         by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
         for device, dst, src, nbytes in copies:
             by_device[device].append((dst, src, nbytes))

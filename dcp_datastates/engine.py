@@ -20,37 +20,21 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
 from . import cuda_copy
-from .align import round_up
+from .arenas import Arenas, MakeArena, Memory, Pinning
 from .arguments import checked_keywords
+from .aside import Aside
 from .host_cache import Arena, Lease
 from .io import FALLBACK, IOBackend, make_backend
-from .sizes import format_size, parse_size
+from .sizes import parse_size
 
 log = logging.getLogger("dcp_datastates")
 
-#: The bounce arena: flush gathers and restore extents (the share of an explicit cache size).
-MAX_BOUNCE_BYTES = 256 << 20
-AUTO_BOUNCE_BYTES = 128 << 20
-#: ``auto`` never grows the snapshot arena beyond this fraction of MemAvailable.
-AUTO_MEMORY_FRACTION = 0.5
 #: How often a wait for cache memory asks the save order whether to give up.
 POLL_S = 0.05
-
-
-def available_memory() -> int:
-    """``MemAvailable`` from /proc/meminfo, in bytes (total RAM where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Work(Protocol):
@@ -82,114 +66,6 @@ class Saves(Work, Protocol):
 S = TypeVar("S", bound=Saves)
 
 
-def _snapshot_size(fixed: int | None, nbytes: int, current: Arena | None
-                   ) -> tuple[int | None, str]:
-    """The size of a new snapshot arena for a state of ``nbytes``, and why (None: keep
-    ``current``)."""
-    if fixed is not None:
-        if current is not None:
-            return None, ""
-        bounce = min(MAX_BOUNCE_BYTES, round_up(fixed // 4))
-        return max(4096, round_up(fixed) - bounce), f"host_cache_size={format_size(fixed)}"
-    want = round_up(nbytes)
-    if current is not None and current.nbytes >= want:
-        return None, ""
-    cap = round_up(int(AUTO_MEMORY_FRACTION * (
-        available_memory() + (current.nbytes if current else 0))))
-    size = min(want, cap)
-    if current is not None and current.nbytes >= size:
-        return None, ""
-    capped = f"; capped at half of available memory, {format_size(cap)}" if size < want else ""
-    return size, f"auto: a state of {format_size(nbytes)} was staged{capped}"
-
-
-class _Pinning:
-    """How the engine's arenas are made (mapped, pinned, registered) and freed (in reverse)."""
-
-    def __init__(self, io: IOBackend, cuda: cuda_copy.CudaCopier | None) -> None:
-        self.io = io
-        self.cuda = cuda
-
-    def make(self, nbytes: int, name: str) -> Arena:
-        arena = self.pinned(Arena(nbytes, name))
-        self.io.register(arena.addr, arena.nbytes)
-        return arena
-
-    def pinned(self, arena: Arena) -> Arena:
-        """``arena``, pinned for GPU copies where there are GPUs (freed if pinning fails)."""
-        try:
-            if self.cuda is not None:
-                self.cuda.pin(arena.addr, arena.nbytes)
-        except BaseException:
-            arena.free()
-            raise
-        return arena
-
-    def unpin_and_free(self, arena: Arena, pinned: bool = True) -> None:
-        if self.cuda is not None and pinned:
-            self.cuda.unpin(arena.addr)
-        arena.free()
-
-    def free(self, arena: Arena) -> None:
-        """Unregister, unpin, unmap: in that order, so no registration outlives the memory."""
-        if arena.pool.live:
-            raise RuntimeError(
-                f"cannot free the {arena.pool.name} cache: {arena.pool.live} lease(s) still live")
-        self.io.unregister(arena.addr, arena.nbytes)
-        self.unpin_and_free(arena)
-
-
-class _FileArenas:
-    """Arenas of files mapped through the engine (memory-tier slots), pinned or not yet."""
-
-    def __init__(self, pins: _Pinning) -> None:
-        self.pins = pins
-        self._lock = threading.Lock()
-        self._pinned: dict[Arena, bool] = {}
-        self.closed = False
-
-    def map(self, fd: int, nbytes: int, name: str, pin: bool) -> Arena:
-        arena = Arena(nbytes, name, fd=fd)
-        if pin:
-            self.pins.pinned(arena)
-        with self._lock:
-            closed = self.closed
-            if not closed:
-                self._pinned[arena] = pin
-        if closed:  # the engine closed meanwhile: nothing may outlive it
-            self.pins.unpin_and_free(arena, pin)
-            raise RuntimeError("this dcp_datastates Engine is closed")
-        return arena
-
-    def pin(self, arena: Arena) -> None:
-        with self._lock:
-            if self.pins.cuda is None or self._pinned.get(arena, True):
-                return
-        self.pins.cuda.pin(arena.addr, arena.nbytes)
-        with self._lock:
-            kept = arena in self._pinned
-            if kept:
-                self._pinned[arena] = True
-        if not kept:  # freed meanwhile (the engine closed): no registration outlives it
-            self.pins.cuda.unpin(arena.addr)
-
-    def unmap(self, arena: Arena) -> None:
-        with self._lock:
-            if arena not in self._pinned:
-                return  # freed already (by close)
-            if arena.pool.live:
-                raise RuntimeError(f"cannot unmap {arena.pool.name}: a save still holds it")
-            pinned = self._pinned.pop(arena)
-        self.pins.unpin_and_free(arena, pinned)
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
-            arenas, self._pinned = self._pinned, {}
-        for arena, pinned in arenas.items():
-            self.pins.unpin_and_free(arena, pinned)
-
-
 class Engine:
     """The process's host cache, CUDA streams, I/O backend and executors.
 
@@ -205,8 +81,12 @@ class Engine:
         io_workers: threads that keep flush and restore I/O in flight (and as many that
             compute the checksums of saves).
 
-    Caches are mapped, pinned and registered on the engine's staging thread (or the first
-    flush/load), never on the thread that calls ``async_save``.
+        make_arena: how host memory is mapped, ``(nbytes, name) -> Arena`` (tests inject
+            slow or failing fakes).
+
+    The snapshot cache is mapped, pinned and registered on the engine's arena thread, never on
+    a thread a save waits for: the first save (or one larger than the cache) copies its
+    snapshot aside meanwhile and moves it in once the cache is ready (``arenas.py``).
     """
 
     @checked_keywords
@@ -216,6 +96,7 @@ class Engine:
         host_cache_size: int | str = "auto",
         io_backend: str | IOBackend = "auto",
         io_workers: int = 8,
+        make_arena: MakeArena = Arena,
     ) -> None:
         if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
             raise ValueError(f"io_workers must be an integer >= 1, got {io_workers!r}")
@@ -237,13 +118,9 @@ class Engine:
         # checksums: never queued behind long writes (a persist's) on the I/O threads
         self.hash_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-hash")
         self.io_workers = io_workers
-        self._pins = _Pinning(self.io, self.cuda)
+        self._arenas = Arenas(Pinning(self.io, self.cuda, make_arena), self.fixed_size,
+                              self.check_open)
         self._lock = threading.Lock()
-        self._grow_lock = threading.Lock()
-        self._snapshot: Arena | None = None
-        self._bounce: Arena | None = None
-        self._retiring: list[Arena] = []
-        self._files = _FileArenas(self._pins)  # memory-tier slots mapped through map_file
         self.saves: Saves | None = None  # attached by jobs/ordering.py at the first save
         self._work: list[Work] = []  # loads in progress, managers not closed
         self.closed = False
@@ -258,6 +135,25 @@ class Engine:
         self.close()
 
     # -- host cache -----------------------------------------------------------------------------
+    def snapshot_memory(self, nbytes: int) -> Memory:
+        """Where a snapshot of ``nbytes`` goes now: ``Memory.ARENA``, the cache (reserve
+        it); otherwise queue what needs the cache with :meth:`after_arena` (``Memory.ASIDE``:
+        the cache is being made from now, copy the snapshot aside meanwhile)."""
+        return self._arenas.snapshot_memory(nbytes)
+
+    def after_arena(self, fn: Callable, *args: object) -> Future:
+        """Run ``fn(*args)`` on the arena thread, once the work queued there before is over."""
+        return self._arenas.after_arena(fn, *args)
+
+    def move_aside(self, aside: Aside, fn: Callable, *args: object) -> Future:
+        """Queue ``fn(*args)``, the move of a snapshot waiting ``aside`` into the cache, on
+        the arena thread; the engine frees ``aside`` after it."""
+        return self._arenas.move_aside(aside, fn, *args)
+
+    def aside_bytes(self) -> int:
+        """Bytes of snapshots waiting aside for the cache (0 once it is ready and they moved)."""
+        return self._arenas.aside_bytes()
+
     def reserve(self, nbytes: int, *, wait: bool = True) -> Lease | None:
         """A snapshot lease of ``nbytes`` (less where the cache is smaller: the caller stages
         the rest in pageable memory), or None where no cache memory can be had.
@@ -267,11 +163,11 @@ class Engine:
         returns None when the save order gives the wait up (only snapshots that no save has
         taken hold the cache: ``jobs/ordering.py``), and the caller stages in pageable memory.
         Without ``wait`` (a save whose turn it is: what holds memory waits behind it), returns
-        None at once when the memory is taken.
+        None at once when the memory is taken. Makes or grows the cache here where needed.
         """
         if nbytes <= 0:
             return None
-        arena = self._snapshot_arena(nbytes)
+        arena = self._arenas.snapshot_arena(nbytes)
         need = min(nbytes, arena.nbytes)
         while (lease := arena.pool.try_allocate(need)) is None:
             if not wait:
@@ -285,39 +181,15 @@ class Engine:
     @property
     def bounce(self) -> Arena:
         """The arena of short-lived flush and restore buffers (made at first use)."""
-        with self._grow_lock:
-            if self._bounce is None:
-                self.check_open()
-                size = AUTO_BOUNCE_BYTES if self.fixed_size is None else min(
-                    MAX_BOUNCE_BYTES, round_up(self.fixed_size // 4))
-                self._bounce = self._pins.make(size, "bounce")
-            return self._bounce
+        return self._arenas.bounce
 
     def cache_bytes(self) -> int:
         """Bytes of host memory the engine's arenas hold now (retiring ones included)."""
-        with self._grow_lock:
-            arenas = [self._snapshot, self._bounce, *self._retiring]
-        return sum(a.nbytes for a in arenas if a is not None)
+        return self._arenas.cache_bytes()
 
     def live_leases(self) -> int:
         """Leases handed out and not yet released (0 when no save holds memory)."""
-        with self._grow_lock:
-            arenas = [self._snapshot, self._bounce, *self._retiring]
-        return sum(a.pool.live for a in arenas if a is not None)
-
-    def _snapshot_arena(self, nbytes: int) -> Arena:
-        with self._grow_lock:
-            self.check_open()
-            current = self._snapshot
-            size, why = _snapshot_size(self.fixed_size, nbytes, current)
-            if size is None:
-                return current
-            arena = self._snapshot = self._pins.make(size, "snapshot")
-            if current is not None:
-                self._retiring.append(current)
-            log.info("dcp_datastates: host cache %s for snapshots (%s)", format_size(size), why)
-        self.free_retired()
-        return arena
+        return self._arenas.live_leases()
 
     def map_file(self, fd: int, nbytes: int, name: str, *, pin: bool = True) -> Arena:
         """The first ``nbytes`` of the file ``fd`` mapped shared and pinned for GPU copies:
@@ -325,24 +197,21 @@ class Engine:
         :meth:`close`. Pinning costs about 0.5 s per GiB; with ``pin=False`` the arena is
         mapped only (copies into it work, slower) until :meth:`pin_file`."""
         self.check_open()
-        return self._files.map(fd, nbytes, name, pin)
+        return self._arenas.files.map(fd, nbytes, name, pin)
 
     def pin_file(self, arena: Arena) -> None:
         """Pin an arena of ``map_file(pin=False)`` on the caller's thread (no copy into it
         may run meanwhile); nothing to do without a GPU, or where it is pinned."""
-        self._files.pin(arena)
+        self._arenas.files.pin(arena)
 
     def unmap_file(self, arena: Arena) -> None:
         """Unpin and unmap an arena of :meth:`map_file` (idempotent; raises while a lease of
         it is live)."""
-        self._files.unmap(arena)
+        self._arenas.files.unmap(arena)
 
     def free_retired(self) -> None:
-        with self._grow_lock:
-            idle = [a for a in self._retiring if not a.pool.live]
-            self._retiring = [a for a in self._retiring if a.pool.live]
-        for arena in idle:
-            self._pins.free(arena)
+        """Free the arenas the cache outgrew once no lease of theirs is live."""
+        self._arenas.free_retired()
 
     # -- work the engine waits for at close ------------------------------------------------------
     def attach_saves(self, make: Callable[[Engine], S]) -> S:
@@ -418,13 +287,7 @@ class Engine:
         self.stage_pool.shutdown(wait=True)
         self.io_pool.shutdown(wait=True)
         self.hash_pool.shutdown(wait=True)
-        with self._grow_lock:
-            arenas = [a for a in (self._snapshot, self._bounce, *self._retiring) if a]
-            self._snapshot = self._bounce = None
-            self._retiring = []
-        for arena in arenas:
-            self._pins.free(arena)
-        self._files.close()
+        self._arenas.close()
         if self.cuda is not None:
             self.cuda.close()
         if self._owns_io:

@@ -17,8 +17,9 @@ def guard(optimizer: torch.optim.Optimizer,
     ``dcp.async_save`` can copy them while they run; the step is the first place that changes
     them. ``source`` is a writer (its latest snapshot), an engine, or None for the process's
     engine of the moment (every snapshot staged through it: right with a fresh writer per
-    save). The hook returns at once when nothing is copying. Call ``.remove()`` on the handle
-    to take it off.
+    save). The hook returns at once when nothing is copying. While the engine's host cache is
+    still being made (the first save of a process), it waits only for the snapshot's copy
+    aside, not for the cache. Call ``.remove()`` on the handle to take it off.
     """
     if isinstance(source, DataStatesWriter):
         wait = source.wait_for_snapshot

@@ -1,5 +1,6 @@
 """Fakes passed to the code under test through its constructors: fault-injecting I/O backends,
-and the clock and costs that drive the overhead budget of ``CheckpointManager``."""
+a slow host cache, and the clock and costs that drive the overhead budget of
+``CheckpointManager``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 from dcp_datastates import Engine
 from dcp_datastates.align import ALIGN
+from dcp_datastates.host_cache import Arena
 from dcp_datastates.io import IOBackend, IOReq
 
 
@@ -184,3 +186,29 @@ class HeldPinEngine(Engine):
             raise RuntimeError("the test never let the pinning go on")
         super().pin_file(arena)
         self.pinned += 1
+
+
+class SlowArena:
+    """An Engine's ``make_arena`` that maps the snapshot cache only once ``gate`` is set (the
+    mapping and pinning of a large cache, held for as long as a test needs), then fails with
+    ``fail``. ``started`` is set when the snapshot cache is asked for; ``timed_out`` says the
+    gate was never set (a test that waited for the cache instead of going on)."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.timed_out = False
+        self.fail = fail
+        self.made: list[Arena] = []
+
+    def __call__(self, nbytes: int, name: str) -> Arena:
+        if name == "snapshot":
+            self.started.set()
+            self.timed_out = not self.gate.wait(60)
+            if self.fail is not None:
+                raise self.fail
+        self.made.append(Arena(nbytes, name))
+        return self.made[-1]
+
+    def all_freed(self) -> bool:
+        return all(a.freed for a in self.made)

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,9 +22,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..arenas import Memory
+from ..aside import stash
 from ..directory import DirectoryClaim, new_token
 from ..engine import Engine
 from ..errors import CheckpointError
+from ..file_format import Placement
 from ..host_cache import Lease
 from ..metadata_file import METADATA_NAME
 from ..sizes import format_size
@@ -60,6 +64,19 @@ def save_order(engine: Engine) -> SaveOrder:
     return engine.attach_saves(lambda e: SaveOrder(e, SaveJob))
 
 
+@dataclass
+class _Plan:
+    """A snapshot to stage: the structure, the sources, and where each goes."""
+
+    skeleton: object
+    sources: list[torch.Tensor]
+    dtensors: set[int]
+    ready: dict | None  # CUDA events the copies wait for (destroyed once they are issued)
+    placements: list[Placement] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    total: int = 0
+
+
 class SaveJob:
     """One rank's part of one save. Made by :func:`new_save_job`."""
 
@@ -70,7 +87,8 @@ class SaveJob:
         self.state = "planned"
         self.stats = SaveStats(backend=engine.io.name)
         self.tie = Tie()  # how DCP holds this save (judged by the save order)
-        self.copied = threading.Event()  # the snapshot's copies are over
+        self.copied = threading.Event()  # the sources are copied: training may change them
+        self.settled = threading.Event()  # staging is over: no copy into the lease is left
         self.committed: Future = Future()  # this rank's part over (the coordinator: committed)
         self.is_coordinator = True
         self.token = new_token()
@@ -107,27 +125,70 @@ class SaveJob:
 
     def _stage(self, skeleton: object, sources: list[torch.Tensor], dtensors: set[int],
                ready: dict | None) -> None:
+        """On the staging thread: copy the snapshot into its target or the host cache; while
+        the cache is being made, copy it aside and move it in on the arena thread."""
+        plan = _Plan(skeleton, sources, dtensors, ready)
         try:
-            placements = place_sources(sources)
-            offsets, total = offsets_of(placements, len(sources))
-            lease = self._target_lease(total, len(sources))
-            snapshot = Snapshot(self.hold(lease or self.reserve(total)), placements,
+            plan.placements = place_sources(sources)
+            plan.offsets, plan.total = offsets_of(plan.placements, len(sources))
+            lease = self._target_lease(plan.total, len(sources))
+            memory = Memory.ARENA if lease is not None else self.engine.snapshot_memory(
+                plan.total)
+            if memory is Memory.ARENA:
+                self._copy(plan, lease)
+            elif memory is Memory.QUEUE:
+                self.engine.after_arena(self._copy, plan, None)
+            else:
+                self._stage_aside(plan)
+        except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
+            self._done_with_events(plan)
+            self.end(exc)
+
+    def _stage_aside(self, plan: _Plan) -> None:
+        """Copy the snapshot aside (the sources may change once it returns), then queue its
+        move into the host cache, being made on the arena thread."""
+        try:
+            aside = stash(plan.sources, self.engine.cuda, plan.ready)
+        finally:
+            self._done_with_events(plan)
+        plan.sources.clear()
+        plan.sources = list(aside.views)
+        where = f"{format_size(aside.gpu_bytes)} on the GPU, {format_size(aside.host_bytes)} " \
+                "in pageable memory"
+        self.engine.move_aside(aside, self._copy, plan, None)
+        self.copied.set()
+        log.info("dcp_datastates: save %d: the host cache is being made; the snapshot waits "
+                 "aside meanwhile (%s)", self.ticket, where)
+
+    def _copy(self, plan: _Plan, lease: Lease | None) -> None:
+        """Copy the snapshot into ``lease`` (None: a lease of the host cache), then hand the
+        staged state dict out."""
+        try:
+            if self._ended:
+                return
+            snapshot = Snapshot(self.hold(lease or self.reserve(plan.total)), plan.placements,
                                 in_target=lease is not None)
             staged, snapshot.overflow, self.stats.copy_s = copy_into(
-                snapshot.lease, sources, offsets, self.engine.cuda, ready, dtensors)
-            sources.clear()  # the copies are done: the sources may be changed or freed
+                snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
+                plan.dtensors)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
-            state = rebuild(skeleton, staged, {})
+            state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
             self.end(exc)
             return
         finally:
-            if ready is not None:
-                self.engine.cuda.destroy_events(ready)
+            plan.sources.clear()  # the copies are done: the sources may be changed or freed
+            self._done_with_events(plan)
             self.copied.set()
+            self.settled.set()
         self.snapshot = snapshot
         self._staged(staged, snapshot.overflow)
         self.tie.deliver(state)
+
+    def _done_with_events(self, plan: _Plan) -> None:
+        if plan.ready is not None:
+            self.engine.cuda.destroy_events(plan.ready)
+            plan.ready = None
 
     def _staged(self, staged: list[torch.Tensor], overflow: int) -> None:
         self.state = "staged"
@@ -240,6 +301,7 @@ class SaveJob:
                 else:
                     future.set_exception(error)
         self.copied.set()
+        self.settled.set()
         self.order.done(self)
 
     @property

@@ -1,0 +1,120 @@
+"""A snapshot's temporary place while the memory it goes to is still being made.
+
+The first save of a process finds no host cache: mapping, populating and pinning it takes about
+0.5 s per GiB. Rather than make training wait for that, :func:`stash` copies the sources aside
+at once: GPU tensors into one GPU buffer per device (a device-to-device copy, the fastest
+there is) where the device has room to spare, else into pageable host memory, as CPU tensors
+are. Training may change the sources as soon as it returns; the job moves the copies into the
+cache once it is ready and then calls :meth:`Aside.free`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+from .cuda_copy import Copy, CudaCopier
+from .snapshot import MEMMOVE_BYTES, nbytes_of
+
+#: A GPU buffer aside is made only where this fraction of the device's memory stays free
+#: after it (room for training's own allocations).
+GPU_HEADROOM = 0.1
+#: Every copy starts on this boundary of its buffer (aligned for any dtype and fast copies).
+_ALIGN = 256
+#: Where host copies go (a place is a device index, or this for pageable host memory).
+HOST = -1
+
+
+@dataclass
+class Aside:
+    """Copies of a snapshot's sources (``views``: same shapes and dtypes, contiguous) in
+    buffers of their own, held until :meth:`free`."""
+
+    views: list[torch.Tensor]
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # place -> buffer
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(b.numel() for p, b in self.buffers.items() if p != HOST)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.buffers[HOST].numel() if HOST in self.buffers else 0
+
+    def free(self) -> None:
+        """Let the buffers go (GPU ones back to torch's caching allocator); idempotent."""
+        self.views = []
+        self.buffers = {}
+
+
+def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
+          ready: dict[int, object] | None, gpu_headroom: float = GPU_HEADROOM) -> Aside:
+    """Copy ``sources`` aside (GPU copies after the ``ready`` events) and wait for the copies.
+    A GPU buffer is made where ``gpu_headroom`` of the device's memory stays free after it."""
+    places = _places(sources, cuda, gpu_headroom)
+    offsets, sizes = _pack(sources, places)
+    buffers = {p: torch.empty(n, dtype=torch.uint8,
+                              device="cpu" if p == HOST else torch.device("cuda", p))
+               for p, n in sizes.items()}
+    aside = Aside([], buffers)
+    copies: dict[str, list[Copy]] = {"d2d": [], "d2h": []}
+    for src, place, offset in zip(sources, places, offsets, strict=True):
+        view = _view(buffers.get(place), offset, src)
+        aside.views.append(view)
+        n = nbytes_of(src)
+        if n == 0:
+            continue
+        if src.is_cuda and cuda is not None:
+            kind = "d2h" if place == HOST else "d2d"
+            copies[kind].append((src.device.index, view.data_ptr(), src.data_ptr(), n))
+        elif n < MEMMOVE_BYTES and not src.is_cuda and src.is_contiguous():
+            ctypes.memmove(view.data_ptr(), src.data_ptr(), n)
+        else:
+            view.copy_(src)
+    for kind, batch in copies.items():
+        if batch:
+            cuda.copy(batch, kind, after=ready)
+    return aside
+
+
+def _places(sources: list[torch.Tensor], cuda: CudaCopier | None,
+            headroom: float) -> list[int]:
+    """Each source's place: its device where cuda-python copies it and the device has room
+    for all of that device's sources, else :data:`HOST`."""
+    need: dict[int, int] = {}
+    for src in sources:
+        if src.is_cuda and cuda is not None:
+            need[src.device.index] = need.get(src.device.index, 0) + _padded(src)
+    room = {d: _has_room(d, n, headroom) for d, n in need.items()}
+    return [src.device.index if src.is_cuda and room.get(src.device.index) else HOST
+            for src in sources]
+
+
+def _has_room(device: int, nbytes: int, headroom: float) -> bool:
+    free, total = torch.cuda.mem_get_info(device)
+    return free - nbytes >= headroom * total
+
+
+def _padded(src: torch.Tensor) -> int:
+    return -(-nbytes_of(src) // _ALIGN) * _ALIGN
+
+
+def _pack(sources: list[torch.Tensor], places: list[int]) -> tuple[list[int], dict[int, int]]:
+    """Each source's offset in its place's buffer, and each buffer's size."""
+    sizes: dict[int, int] = {}
+    offsets = []
+    for src, place in zip(sources, places, strict=True):
+        offsets.append(sizes.get(place, 0))
+        sizes[place] = offsets[-1] + _padded(src)
+    return offsets, {p: n for p, n in sizes.items() if n}
+
+
+def _view(buffer: torch.Tensor | None, offset: int, src: torch.Tensor) -> torch.Tensor:
+    """``src``'s shape and dtype over ``buffer`` at ``offset`` (a fresh empty tensor for an
+    empty source)."""
+    if buffer is None or src.numel() == 0:
+        return torch.empty(src.shape, dtype=src.dtype)
+    return torch.empty(0, dtype=src.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), offset // src.element_size(), src.shape)

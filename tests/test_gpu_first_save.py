@@ -1,0 +1,86 @@
+"""GPU: the first save copies its snapshot aside (device to device) while the host cache is
+made, the guard waits only for that copy, and the checkpoint is bit exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from fakes import SlowArena
+
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, cuda_copy, guard
+from dcp_datastates.aside import HOST, stash
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+TIMEOUT = 120
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).cpu()
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key].device == value.device, key
+        assert torch.equal(_bits(got[key]), _bits(value)), key
+
+
+def test_first_save_on_gpu_waits_only_for_a_device_copy(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False)
+                                  for _ in range(4)]).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    slow = SlowArena()
+    engine = Engine(host_cache_size="1GiB", make_arena=slow)
+    try:
+        guard(opt, engine)
+        model(torch.randn(8, 4096, device="cuda")).square().mean().backward()
+        state = {**model.state_dict(), "cpu": torch.arange(999, dtype=torch.int64)}
+        saved = {k: v.detach().clone() for k, v in state.items()}
+        before = torch.cuda.memory_allocated()
+        resp = dcp.async_save(state, checkpoint_id=tmp_path / "ck", no_dist=True,
+                              storage_writer=DataStatesWriter(engine=engine))
+        assert slow.started.wait(TIMEOUT)
+        opt.step()  # the guard: the copy aside is done, the cache is not made
+        assert not slow.gate.is_set() and not slow.timed_out
+        assert torch.cuda.memory_allocated() - before >= 4 * (4096 * 4096 * 4)  # on the GPU
+        assert any(not torch.equal(saved[k], v) for k, v in model.state_dict().items())
+        slow.gate.set()
+        resp.upload_completion.result(TIMEOUT)
+        assert engine.aside_bytes() == 0
+        out = {k: torch.zeros_like(v) for k, v in saved.items()}
+        dcp.load(out, checkpoint_id=tmp_path / "ck", no_dist=True,
+                 storage_reader=DataStatesReader(engine=engine))
+        _assert_same(out, saved)
+    finally:
+        slow.gate.set()
+        engine.close()
+
+
+@pytest.mark.parametrize("headroom", [0.0, 1.0], ids=["gpu-buffer", "pageable"])
+def test_stash_gpu_sources(headroom: float) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    sources = [torch.randn(1000, 333, device="cuda", generator=gen).bfloat16(),
+               torch.empty(0, 4, device="cuda"), torch.tensor(2.5, device="cuda"),
+               torch.arange(77, dtype=torch.int16)]
+    expected = [_bits(s) for s in sources]
+    copier = cuda_copy.CudaCopier()
+    try:
+        ready = copier.record_current({0})
+        aside = stash(sources, copier, ready, gpu_headroom=headroom)
+        copier.destroy_events(ready)
+    finally:
+        copier.close()
+    for s in sources:
+        s.zero_()
+    on_gpu = headroom == 0.0
+    assert (0 in aside.buffers) == on_gpu and HOST in aside.buffers
+    for view, src, want in zip(aside.views, sources, expected, strict=True):
+        assert view.is_cuda == (on_gpu and src.is_cuda and src.numel() > 0)
+        assert view.shape == src.shape and view.dtype == src.dtype
+        assert torch.equal(_bits(view), want)
+    aside.free()
