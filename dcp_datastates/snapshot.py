@@ -39,7 +39,11 @@ SHARD_ATTRS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
 class SnapshotTarget(Protocol):
     """Where a snapshot goes instead of the engine's host cache: memory that then becomes the
     save's data file in place (a memory-tier slot). A lease it gives starts where the file's
-    data starts (``lease.offset``; the header goes before it). ``str()`` names it in logs."""
+    data starts (``lease.offset``; the header goes before it). ``str()`` names it in logs.
+    ``pinned``: whether its memory is pinned now (if not, a GPU snapshot is copied aside at
+    once and moved into it off the training's path)."""
+
+    pinned: bool
 
     def lease(self, total: int, entries: int) -> Lease | None:
         """Memory for a snapshot of ``total`` bytes of ``entries`` tensors (None: busy).

@@ -84,3 +84,40 @@ def test_stash_gpu_sources(headroom: float) -> None:
         assert view.shape == src.shape and view.dtype == src.dtype
         assert torch.equal(_bits(view), want)
     aside.free()
+
+
+def test_manager_save_into_a_slot_not_pinned_yet_waits_aside(tmp_path, caplog) -> None:
+    """A memory-tier save whose slot is not pinned yet (pinning held) copies its GPU snapshot
+    aside at once and moves it into the slot off the training's path; bit exact."""
+    import logging
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from fakes import HeldPinEngine
+
+    from dcp_datastates import CheckpointManager
+
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    memory = Path(tempfile.mkdtemp(prefix="dcp_gpu_aside_", dir="/dev/shm"))
+    engine = HeldPinEngine(host_cache_size="64MiB")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    state = {"w": torch.randn(4096, 4096, device="cuda", generator=gen)}
+    saved = {"w": state["w"].clone()}
+    try:
+        with CheckpointManager(tmp_path / "durable", memory_dir=memory, persist=None,
+                               engine=engine) as manager:
+            handle = manager.save(1, state)
+            manager.wait_for_snapshots()
+            state["w"].add_(1.0)  # after the copy aside: must not reach the checkpoint
+            handle.result(TIMEOUT)
+            assert engine.pinned == 0 and not engine.gate.is_set()
+            assert any("not pinned yet; the snapshot waits aside" in r.getMessage()
+                       for r in caplog.records)
+            out = {"w": torch.zeros_like(saved["w"])}
+            assert manager.load(out) == 1
+            _assert_same(out, saved)
+    finally:
+        engine.gate.set()
+        engine.close()
+        shutil.rmtree(memory, ignore_errors=True)

@@ -132,21 +132,25 @@ class SaveJob:
             plan.placements = place_sources(sources)
             plan.offsets, plan.total = offsets_of(plan.placements, len(sources))
             lease = self._target_lease(plan.total, len(sources))
-            memory = Memory.ARENA if lease is not None else self.engine.snapshot_memory(
-                plan.total)
+            if lease is not None:  # a target not pinned yet: a GPU snapshot waits aside
+                slow = not self.target.pinned and plan.ready is not None
+                memory = Memory.ASIDE if slow else Memory.ARENA
+            else:
+                memory = self.engine.snapshot_memory(plan.total)
             if memory is Memory.ARENA:
                 self._copy(plan, lease)
             elif memory is Memory.QUEUE:
                 self.engine.after_arena(self._copy, plan, None)
             else:
-                self._stage_aside(plan)
+                self._stage_aside(plan, lease)
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
             self._done_with_events(plan)
             self.end(exc)
 
-    def _stage_aside(self, plan: _Plan) -> None:
+    def _stage_aside(self, plan: _Plan, lease: Lease | None) -> None:
         """Copy the snapshot aside (the sources may change once it returns), then queue its
-        move into the host cache, being made on the arena thread."""
+        move on the arena thread into ``lease`` (a target's memory not pinned yet) or the
+        host cache (being made there)."""
         try:
             aside = stash(plan.sources, self.engine.cuda, plan.ready)
         finally:
@@ -155,10 +159,11 @@ class SaveJob:
         plan.sources = list(aside.views)
         where = f"{format_size(aside.gpu_bytes)} on the GPU, {format_size(aside.host_bytes)} " \
                 "in pageable memory"
-        self.engine.move_aside(aside, self._copy, plan, None)
+        self.engine.move_aside(aside, self._copy, plan, lease)
         self.copied.set()
-        log.info("dcp_datastates: save %d: the host cache is being made; the snapshot waits "
-                 "aside meanwhile (%s)", self.ticket, where)
+        log.info("dcp_datastates: save %d: %s; the snapshot waits aside meanwhile (%s)",
+                 self.ticket, "the host cache is being made" if lease is None else
+                 f"{self.target} is not pinned yet", where)
 
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
         """Copy the snapshot into ``lease`` (None: a lease of the host cache), then hand the
