@@ -18,7 +18,9 @@ torchtitan imports Hugging Face ``datasets`` for its own data loaders; where tha
 not installed (the GPU machine carries only the wheels in ``wheels/``), a stand-in module that
 refuses to load anything is registered first: the synthetic loader never calls it. Where the
 installed torch lacks ``torch.distributed.set_timeout`` (torchtitan 0.3.0 was made with a torch
-nightly that has it), torch's own ``_set_pg_timeout`` stands in for it.
+nightly that has it), torch's own ``_set_pg_timeout`` stands in for it; where it lacks
+``torch.distributed.fsdp.DataParallelMeshDims`` (torch < 2.12), a stand-in name and a
+``fully_shard`` that drops torchtitan's ``dp_mesh_dims=None`` do.
 """
 
 from __future__ import annotations
@@ -85,6 +87,28 @@ def set_timeout_where_missing() -> None:
         dist.set_timeout = _set_pg_timeout
 
 
+def fsdp_names_where_missing() -> None:
+    """torchtitan 0.3.0 passes ``dp_mesh_dims`` (None unless its full-DTensor mode is on) to
+    ``fully_shard`` and imports ``DataParallelMeshDims`` (torch >= 2.12): on an older torch,
+    a stand-in name and a ``fully_shard`` that drops the argument while it is None."""
+    import functools
+
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return
+    shard = fsdp.fully_shard
+
+    @functools.wraps(shard)
+    def fully_shard(module, *args, dp_mesh_dims=None, edp_mesh_dims=None, **kwargs):
+        if dp_mesh_dims is not None or edp_mesh_dims is not None:
+            raise NotImplementedError("this torch's fully_shard takes no mesh dims")
+        return shard(module, *args, **kwargs)
+
+    fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+    fsdp.fully_shard = fully_shard
+
+
 def single_process_world() -> None:
     """Without torchrun: the environment of a one-process torchrun (``--standalone``)."""
     if "LOCAL_RANK" in os.environ:
@@ -103,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # torchtitan_config
     stand_in_for_datasets()
     set_timeout_where_missing()
+    fsdp_names_where_missing()
     single_process_world()
     from torchtitan.train import main as titan_main
 
