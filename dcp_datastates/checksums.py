@@ -56,6 +56,31 @@ def block_checksums(addr: int, nbytes: int, block: int = BLOCK_BYTES) -> list[in
     return [xxhash.xxh3_64_intdigest(mem[i : i + block]) for i in range(0, nbytes, block)]
 
 
+def deal_blocks(regions: list[tuple[int, int]], share: int,
+                block: int = BLOCK_BYTES) -> list[list[tuple[int, int, int]]]:
+    """Memory ``regions`` (address, bytes) dealt into tasks of about ``share`` bytes (a
+    multiple of ``block``) of pieces (region index, address, bytes), in region order: a region
+    is split only at its block boundaries, so that the checksums of its pieces, in order, are
+    its own. An empty region is one piece."""
+    tasks: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for index, (addr, nbytes) in enumerate(regions):
+        done = 0
+        while True:
+            left = nbytes - done
+            if left <= room:
+                tasks[-1].append((index, addr + done, left))
+                room -= left
+                break
+            take = room - room % block
+            if take:
+                tasks[-1].append((index, addr + done, take))
+                done += take
+            tasks.append([])
+            room = share
+    return [t for t in tasks if t]
+
+
 def _digest(data: memoryview) -> int:
     """XXH3-64 of ``data`` (natively where the buffer is writable, so its address is known)."""
     if native() is not None and len(data) and not data.readonly:
