@@ -72,3 +72,11 @@ def test_dealt_blocks_give_each_item_its_own_checksums(data: torch.Tensor, share
         for k, addr, nbytes in task:
             got[k] += checksums.block_checksums(addr, nbytes, BLOCK)
     assert got == [checksums.block_checksums(a, m, BLOCK) for a, m in regions]
+
+
+def test_regions_checksums_are_each_regions_own(data: torch.Tensor) -> None:
+    base, n = data.data_ptr(), data.numel()
+    regions = [(base, n), (base, 0), (base + 5, BLOCK + 1), (base + 9, 3)]
+    assert checksums.regions_checksums(regions, BLOCK) == [
+        checksums.block_checksums(a, m, BLOCK) for a, m in regions]
+    assert checksums.regions_checksums([], BLOCK) == []

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..align import round_up
-from ..checksums import BLOCK_BYTES, block_checksums, deal_blocks
+from ..checksums import BLOCK_BYTES, deal_blocks, regions_checksums
 from ..entries import entry_name
 from ..file_format import FileLayout, ItemSpec, Placement, file_layout, place_bytes, place_tensors
 from ..file_writer import DataFile, Piece
@@ -216,7 +216,7 @@ def _address(data: bytes | memoryview) -> tuple[int, int]:
 
 
 def _sum_pieces(pieces: list[tuple[int, int, int]]) -> list[list[int]]:
-    return [block_checksums(a, n, BLOCK_BYTES) for _, a, n in pieces]
+    return regions_checksums([(a, n) for _, a, n in pieces], BLOCK_BYTES)
 
 
 class _Sums:
