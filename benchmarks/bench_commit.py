@@ -37,17 +37,19 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.sizes import format_size
 
-#: Phases traced: name -> (module, qualified name of the function whose call spans it).
-WATCHED = {
-    "dcp_save": ("dcp_datastates.tiers.local_dcp", "save"),
-    "write_data": ("dcp_datastates.jobs.flush", "write_data_file"),
-    "checksum_wait": ("dcp_datastates.jobs.flush", "_Sums.result"),
-    "file_finish": ("dcp_datastates.file_writer", "DataFile.finish"),
-    "commit": ("dcp_datastates.jobs.commit", "commit"),
-    "write_metadata": ("dcp_datastates.metadata_file", "write_metadata"),
-    "after_commit": ("dcp_datastates.tiers.memory_save", "MemorySaver.after_commit"),
-    "hash": ("dcp_datastates.checksums", "block_checksums"),
-}
+#: Phases traced: name -> (module, qualified name of the function whose call spans it); a
+#: name may be there twice (a function renamed: either is traced, so older trees compare).
+WATCHED = [
+    ("dcp_save", "dcp_datastates.tiers.local_dcp", "save"),
+    ("write_data", "dcp_datastates.jobs.flush", "write_data_file"),
+    ("checksum_wait", "dcp_datastates.jobs.flush", "_Sums.result"),
+    ("file_finish", "dcp_datastates.file_writer", "DataFile.finish"),
+    ("commit", "dcp_datastates.jobs.commit", "commit"),
+    ("write_metadata", "dcp_datastates.metadata_file", "write_metadata"),
+    ("after_commit", "dcp_datastates.tiers.memory_save", "MemorySaver.after_commit"),
+    ("hash", "dcp_datastates.jobs.flush", "_sum_pieces"),
+    ("hash", "dcp_datastates.jobs.flush", "_sum_batch"),
+]
 #: Phases shown: name -> how it is read from one save's spans (``None``: not traced).
 PHASES: dict[str, Callable[[dict, float], float | None]] = {
     "plan (DCP, to write_data)": lambda s, t0: _gap(t0, s, "write_data", "start"),
@@ -88,7 +90,7 @@ class Tracer:
 
     def __init__(self) -> None:
         self.codes: dict[object, str] = {}
-        for name, (module, qualname) in WATCHED.items():
+        for name, module, qualname in WATCHED:
             obj: object = sys.modules.get(module) or __import__(module, fromlist=["_"])
             for part in qualname.split("."):
                 obj = getattr(obj, part, None)
