@@ -35,6 +35,11 @@ def native() -> ctypes.CDLL | None:
     lib.dsh_xxh3_blocks.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
                                     ctypes.POINTER(ctypes.c_uint64)]
     lib.dsh_xxh3_blocks.restype = None
+    if hasattr(lib, "dsh_xxh3_regions"):  # not in a library built before it was added
+        lib.dsh_xxh3_regions.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64),
+                                         ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+                                         ctypes.POINTER(ctypes.c_uint64)]
+        lib.dsh_xxh3_regions.restype = None
     return lib
 
 
@@ -54,6 +59,50 @@ def block_checksums(addr: int, nbytes: int, block: int = BLOCK_BYTES) -> list[in
         return [xxhash.xxh3_64_intdigest(b"")]
     mem = memory_at(addr, nbytes)
     return [xxhash.xxh3_64_intdigest(mem[i : i + block]) for i in range(0, nbytes, block)]
+
+
+def regions_checksums(regions: list[tuple[int, int]],
+                      block: int = BLOCK_BYTES) -> list[list[int]]:
+    """:func:`block_checksums` of each memory region (address, bytes), in one native call
+    where the library has it (the GIL is taken back once, not once per region)."""
+    lib = native()
+    if lib is None or not hasattr(lib, "dsh_xxh3_regions") or not regions:
+        return [block_checksums(a, n, block) for a, n in regions]
+    counts = [max(1, -(-n // block)) for _, n in regions]
+    addrs = (ctypes.c_uint64 * len(regions))(*(a for a, _ in regions))
+    sizes = (ctypes.c_size_t * len(regions))(*(n for _, n in regions))
+    out = (ctypes.c_uint64 * sum(counts))()
+    lib.dsh_xxh3_regions(len(regions), addrs, sizes, block, out)
+    flat, at, sums = list(out), 0, []
+    for count in counts:
+        sums.append(flat[at : at + count])
+        at += count
+    return sums
+
+
+def deal_blocks(regions: list[tuple[int, int]], share: int,
+                block: int = BLOCK_BYTES) -> list[list[tuple[int, int, int]]]:
+    """Memory ``regions`` (address, bytes) dealt into tasks of about ``share`` bytes (a
+    multiple of ``block``) of pieces (region index, address, bytes), in region order: a region
+    is split only at its block boundaries, so that the checksums of its pieces, in order, are
+    its own. An empty region is one piece."""
+    tasks: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for index, (addr, nbytes) in enumerate(regions):
+        done = 0
+        while True:
+            left = nbytes - done
+            if left <= room:
+                tasks[-1].append((index, addr + done, left))
+                room -= left
+                break
+            take = room - room % block
+            if take:
+                tasks[-1].append((index, addr + done, take))
+                done += take
+            tasks.append([])
+            room = share
+    return [t for t in tasks if t]
 
 
 def _digest(data: memoryview) -> int:

@@ -78,8 +78,9 @@ class Engine:
             larger than the snapshot cache stages the rest in pageable memory (logged).
         io_backend: ``"auto"``, ``"uring"``, ``"threads"`` (``$DCP_DATASTATES_IO`` overrides),
             or a backend object (tests inject fakes); the engine closes only a backend it made.
-        io_workers: threads that keep flush and restore I/O in flight (and as many that
-            compute the checksums of saves).
+        io_workers: threads that keep flush and restore I/O in flight. The checksums of
+            saves are computed on threads of their own, one per CPU core the process may run
+            on (``hash_workers``), at least ``io_workers``.
 
         make_arena: how host memory is mapped, ``(nbytes, name) -> Arena`` (tests inject
             slow or failing fakes).
@@ -116,7 +117,9 @@ class Engine:
         self.stage_pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
         self.io_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-io")
         # checksums: never queued behind long writes (a persist's) on the I/O threads
-        self.hash_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-hash")
+        self.hash_workers = max(io_workers, len(os.sched_getaffinity(0)))
+        self.hash_pool = ThreadPoolExecutor(self.hash_workers,
+                                            thread_name_prefix="dcp_datastates-hash")
         self.io_workers = io_workers
         self._arenas = Arenas(Pinning(self.io, self.cuda, make_arena), self.fixed_size,
                               self.check_open)

@@ -25,3 +25,14 @@ DSH_API void dsh_xxh3_blocks(const void *data, size_t nbytes, size_t block, uint
         *out++ = XXH3_64bits(p + off, n);
     }
 }
+
+/* The block digests of `count` regions (addrs[i], sizes[i]), one region after the other, into
+ * `out` (ceil(sizes[i] / block) digests for each region, one for an empty one): a task of many
+ * items is one call, so its thread takes the GIL back once, not once per item. */
+DSH_API void dsh_xxh3_regions(size_t count, const uint64_t *addrs, const size_t *sizes,
+                              size_t block, uint64_t *out) {
+    for (size_t i = 0; i < count; i++) {
+        dsh_xxh3_blocks((const void *)(uintptr_t)addrs[i], sizes[i], block, out);
+        out += sizes[i] ? (sizes[i] + block - 1) / block : 1;
+    }
+}

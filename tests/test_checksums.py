@@ -56,3 +56,27 @@ def test_verify_span_takes_native_and_split_blocks_and_names_the_bad_one(
                        match=rf"item: checksum mismatch in item bytes {2 * BLOCK}\.\.{3 * BLOCK}"):
         checksums.verify_span([(0, bad)], sums, BLOCK, n, "item")
     ctypes.memset(data.data_ptr(), 0, 0)  # the fixture's bytes are untouched
+
+
+@pytest.mark.parametrize("share", [BLOCK, 2 * BLOCK, 7 * BLOCK])
+def test_dealt_blocks_give_each_item_its_own_checksums(data: torch.Tensor, share: int) -> None:
+    """Items dealt into tasks of ``share`` bytes, a large one split at its block boundaries:
+    the tasks' checksums, put back together in order, are each item's own."""
+    base, n = data.data_ptr(), data.numel()
+    regions = [(base, n), (base, 0), (base + 5, BLOCK + 1), (base, 3), (base + 9, 3 * BLOCK)]
+    tasks = checksums.deal_blocks(regions, share, BLOCK)
+    assert all(sum(p[2] for p in t) <= share for t in tasks)
+    assert len(tasks) > 1
+    got: list[list[int]] = [[] for _ in regions]
+    for task in tasks:
+        for k, addr, nbytes in task:
+            got[k] += checksums.block_checksums(addr, nbytes, BLOCK)
+    assert got == [checksums.block_checksums(a, m, BLOCK) for a, m in regions]
+
+
+def test_regions_checksums_are_each_regions_own(data: torch.Tensor) -> None:
+    base, n = data.data_ptr(), data.numel()
+    regions = [(base, n), (base, 0), (base + 5, BLOCK + 1), (base + 9, 3)]
+    assert checksums.regions_checksums(regions, BLOCK) == [
+        checksums.block_checksums(a, m, BLOCK) for a, m in regions]
+    assert checksums.regions_checksums([], BLOCK) == []

@@ -20,7 +20,8 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..checksums import BLOCK_BYTES, block_checksums
+from ..align import round_up
+from ..checksums import BLOCK_BYTES, deal_blocks, regions_checksums
 from ..entries import entry_name
 from ..file_format import FileLayout, ItemSpec, Placement, file_layout, place_bytes, place_tensors
 from ..file_writer import DataFile, Piece
@@ -29,14 +30,15 @@ from ..metadata_file import ItemLocation
 from ..snapshot import Snapshot, copy_into, nbytes_of
 
 if TYPE_CHECKING:
+    from ..engine import Engine
     from .save import SaveJob
 
 log = logging.getLogger("dcp_datastates")
 
 #: Stands for a bytes item's size before it is serialized (no real size has more digits).
 _SIZE_BOUND = 10**15
-#: Checksum tasks cover at least this many bytes or items.
-_SUM_BYTES, _SUM_ITEMS = 16 << 20, 4096
+#: Checksum tasks cover at least this many bytes; each thread gets about this many tasks.
+_SUM_BYTES, _TASKS_PER_THREAD = BLOCK_BYTES, 2
 
 
 def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
@@ -130,7 +132,7 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
            ) -> tuple[FileLayout, list[int], list[int], list[list[int]]]:
     """Write the tensors (unless in place), the bytes items and the header; return the final
     layout, the bytes items' offsets, every item's size and checksums."""
-    sums = _Sums([])
+    sums = _Sums()
     try:
         if not in_place:  # in place, the snapshot is the file's data already
             file.preallocate(max((o + nbytes_of(t) for o, t in zip(offsets, tensors,
@@ -138,7 +140,7 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
                                  default=draft.data_start))
             file.write([Piece(o, t.data_ptr(), nbytes_of(t), _lease_of(job.leases, t))
                         for o, t in zip(offsets, tensors, strict=True)])
-        sums += _checksums(job, [(t.data_ptr(), nbytes_of(t)) for t in tensors])
+        sums.start(job.engine, [(t.data_ptr(), nbytes_of(t)) for t in tensors])
         raws = [f.result() for f in serialized]
         final = draft
         if raw_names:
@@ -153,7 +155,7 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
         memory = [_address(r) for r in (final.header, *raws)]
         file.write([Piece(o, a, n) for o, (a, n) in zip([0, *raw_offsets], memory,
                                                           strict=True)])
-        sums += _checksums(job, memory[1:])
+        sums.start(job.engine, memory[1:])
         file.finish(final.file_size)
         checksums = sums.result()
     except BaseException:
@@ -213,37 +215,36 @@ def _address(data: bytes | memoryview) -> tuple[int, int]:
     return ctypes.addressof(ctypes.c_char.from_buffer(data)), len(data)
 
 
-def _checksums(job: SaveJob, regions: list[tuple[int, int]]) -> _Sums:
-    """Start per-block checksums of memory ``regions`` (address, bytes) on the checksum
-    threads, in batches."""
-    batches: list[list[tuple[int, int]]] = [[]]
-    size = 0
-    for region in regions:
-        if batches[-1] and (size >= _SUM_BYTES or len(batches[-1]) >= _SUM_ITEMS):
-            batches.append([])
-            size = 0
-        batches[-1].append(region)
-        size += region[1]
-    return _Sums([job.engine.compute(_sum_batch, b) for b in batches if b])
-
-
-def _sum_batch(regions: list[tuple[int, int]]) -> list[list[int]]:
-    return [block_checksums(a, n, BLOCK_BYTES) for a, n in regions]
+def _sum_pieces(pieces: list[tuple[int, int, int]]) -> list[list[int]]:
+    return regions_checksums([(a, n) for _, a, n in pieces], BLOCK_BYTES)
 
 
 class _Sums:
-    """Checksum batches in flight, in item order."""
+    """Per-block checksums of items in flight on the checksum threads: the items' blocks are
+    dealt out in tasks of about equal bytes, one large item over many threads."""
 
-    def __init__(self, futures: list[Future]) -> None:
-        self.futures = futures
+    def __init__(self) -> None:
+        self.count = 0  # items so far
+        self.tasks: list[tuple[list[int], Future]] = []  # (item of each piece, checksums)
 
-    def __iadd__(self, other: _Sums) -> _Sums:
-        self.futures += other.futures
-        return self
+    def start(self, engine: Engine, regions: list[tuple[int, int]]) -> None:
+        """Start the checksums of memory ``regions`` (address, bytes): the next items."""
+        total = sum(n for _, n in regions)
+        share = max(_SUM_BYTES, round_up(-(-total // (_TASKS_PER_THREAD * engine.hash_workers)),
+                                         BLOCK_BYTES))
+        for pieces in deal_blocks(regions, share):
+            items = [self.count + k for k, _, _ in pieces]
+            self.tasks.append((items, engine.compute(_sum_pieces, pieces)))
+        self.count += len(regions)
 
     def result(self) -> list[list[int]]:
-        return [s for f in self.futures for s in f.result()]
+        """Every item's checksums, in item order."""
+        out: list[list[int]] = [[] for _ in range(self.count)]
+        for items, future in self.tasks:
+            for k, sums in zip(items, future.result(), strict=True):
+                out[k] += sums
+        return out
 
     def wait(self) -> None:
-        for f in self.futures:
-            f.exception()
+        for _, future in self.tasks:
+            future.exception()
