@@ -20,7 +20,8 @@ refuses to load anything is registered first: the synthetic loader never calls i
 installed torch lacks ``torch.distributed.set_timeout`` (torchtitan 0.3.0 was made with a torch
 nightly that has it), torch's own ``_set_pg_timeout`` stands in for it; where it lacks
 ``torch.distributed.fsdp.DataParallelMeshDims`` (torch < 2.12), a stand-in name and a
-``fully_shard`` that drops torchtitan's ``dp_mesh_dims=None`` do.
+``fully_shard`` that drops torchtitan's ``dp_mesh_dims=None`` do, and a ``create_block_mask``
+that drops ``separate_full_blocks=True`` (what older ones always do).
 """
 
 from __future__ import annotations
@@ -109,6 +110,28 @@ def fsdp_names_where_missing() -> None:
     fsdp.fully_shard = fully_shard
 
 
+def block_mask_where_old() -> None:
+    """torchtitan 0.3.0 passes ``separate_full_blocks`` to flex attention's
+    ``create_block_mask`` (torch >= 2.12); older ones always separate full blocks (its
+    default): a ``create_block_mask`` that drops the argument while it asks for that."""
+    import functools
+    import inspect
+
+    import torch.nn.attention.flex_attention as flex
+
+    make = flex.create_block_mask
+    if "separate_full_blocks" in inspect.signature(make).parameters:
+        return
+
+    @functools.wraps(make)
+    def create_block_mask(*args, separate_full_blocks=True, **kwargs):
+        if not separate_full_blocks:
+            raise NotImplementedError("this torch's create_block_mask always separates them")
+        return make(*args, **kwargs)
+
+    flex.create_block_mask = create_block_mask
+
+
 def single_process_world() -> None:
     """Without torchrun: the environment of a one-process torchrun (``--standalone``)."""
     if "LOCAL_RANK" in os.environ:
@@ -128,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     stand_in_for_datasets()
     set_timeout_where_missing()
     fsdp_names_where_missing()
+    block_mask_where_old()
     single_process_world()
     from torchtitan.train import main as titan_main
 

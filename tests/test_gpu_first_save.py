@@ -68,6 +68,7 @@ def test_stash_gpu_sources(headroom: float) -> None:
                torch.empty(0, 4, device="cuda"), torch.tensor(2.5, device="cuda"),
                torch.arange(77, dtype=torch.int16)]
     expected = [_bits(s) for s in sources]
+    assert cuda_copy.available()  # imports cuda-python's runtime for the copier
     copier = cuda_copy.CudaCopier()
     try:
         ready = copier.record_current({0})
