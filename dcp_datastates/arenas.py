@@ -106,7 +106,7 @@ class Pinning:
 
     def unpin_and_free(self, arena: Arena, pinned: bool = True) -> None:
         if self.cuda is not None and pinned:
-            self.cuda.unpin(arena.addr)
+            self.cuda.unpin(arena.addr, arena.nbytes)
         arena.free()
 
     def free(self, arena: Arena) -> None:
@@ -150,7 +150,7 @@ class FileArenas:
             if kept:
                 self._pinned[arena] = True
         if not kept:  # freed meanwhile (the engine closed): no registration outlives it
-            self.pins.cuda.unpin(arena.addr)
+            self.pins.cuda.unpin(arena.addr, arena.nbytes)
 
     def unmap(self, arena: Arena) -> None:
         with self._lock:

@@ -67,7 +67,7 @@ def test_stash_gpu_sources(headroom: float) -> None:
     sources = [torch.randn(1000, 333, device="cuda", generator=gen).bfloat16(),
                torch.empty(0, 4, device="cuda"), torch.tensor(2.5, device="cuda"),
                torch.arange(77, dtype=torch.int16)]
-    expected = [_bits(s) for s in sources]
+    expected = [_bits(s).clone() for s in sources]  # a CPU source's bits alias it
     assert cuda_copy.available()  # imports cuda-python's runtime for the copier
     copier = cuda_copy.CudaCopier()
     try:
