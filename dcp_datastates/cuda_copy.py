@@ -7,7 +7,6 @@ nothing here is used.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -15,9 +14,10 @@ from collections import defaultdict
 
 import torch
 
-#: ``cuda.bindings.runtime`` (the optional ``gpu`` extra), imported by :func:`available` only
-#: where torch sees a GPU; None otherwise.
-cudart = None
+try:  # the optional ``gpu`` extra; imported with the package (~0.14 s), not at the first save
+    from cuda.bindings import runtime as cudart  # loads the bindings only: no CUDA call
+except (ImportError, OSError):  # no cuda-python: GPU tensors are copied with torch
+    cudart = None
 
 log = logging.getLogger("dcp_datastates")
 
@@ -35,24 +35,14 @@ _KINDS = {"d2h": "cudaMemcpyDeviceToHost", "h2d": "cudaMemcpyHostToDevice",
           "d2d": "cudaMemcpyDeviceToDevice"}
 
 
-@functools.cache
-def _import_cudart() -> bool:
-    global cudart
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:  # no cuda-python: GPU tensors are copied with torch
-        return False
-    return True
-
-
 def available() -> bool:
     """Whether GPU tensors can be copied through cuda-python here."""
-    return torch.cuda.is_available() and _import_cudart()
+    return cudart is not None and torch.cuda.is_available()
 
 
 def why_unavailable() -> str | None:
     """Why a GPU host copies with torch instead (None where cuda-python is used or no GPU)."""
-    if torch.cuda.is_available() and not _import_cudart():
+    if cudart is None and torch.cuda.is_available():
         return ("cuda-python is not installed; GPU tensors are copied with torch "
                 "(synchronously). pip install cuda-python")
     return None
