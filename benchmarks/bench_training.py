@@ -199,7 +199,7 @@ class _Response:
 
 @contextmanager
 def tiers(tr: Trainer, path: Path, setup: dict, rec: dict,
-          max_overhead: float | None = None) -> Iterator[Save]:
+          max_overhead: float | None = None, restarts: bool = True) -> Iterator[Save]:
     """CheckpointManager: every checkpoint snapshotted into /dev/shm slots (mapped and pinned
     by ``prepare``, off the clock), persisted to the checkpoint directory whenever the previous
     persist is over, saves over ``max_overhead`` skipped; then the restart figures."""
@@ -239,7 +239,8 @@ def tiers(tr: Trainer, path: Path, setup: dict, rec: dict,
                             "cost_s": [f.cost_s for f in taken]}
             rec["snapshots"] = {k: rec["tiers"][k] for k in ("bytes", "copy_s", "snapshot_s")}
             manager.close()
-            rec["tiers"]["restart"] = restart(tr, manager, engine)
+            if restarts:  # the restart figures (a child process): once, in "tiers"
+                rec["tiers"]["restart"] = restart(tr, manager, engine)
     finally:
         hook.remove()
         manager.close()
@@ -332,10 +333,11 @@ MODES = {
                        snapshot_before_step=True),
     "ours": Mode("DataStatesWriter + guard", ours),
     "tiers": Mode("CheckpointManager: memory tier + persist", tiers, wait_previous=False),
-    "tiers_every_step": Mode("CheckpointManager, every step", tiers, every=1,
+    "tiers_every_step": Mode("CheckpointManager, every step",
+                             functools.partial(tiers, restarts=False), every=1,
                              wait_previous=False, reuse_state=True),
     "tiers_budget": Mode("CheckpointManager, every step, max_overhead=0.05",
-                         functools.partial(tiers, max_overhead=0.05), every=1,
+                         functools.partial(tiers, max_overhead=0.05, restarts=False), every=1,
                          wait_previous=False, reuse_state=True),
 }
 
