@@ -43,6 +43,16 @@ def _state(seed: int = 0) -> dict:
     }
 
 
+def _wait_until(done, timeout: float = TIMEOUT) -> None:
+    """Wait for ``done()`` (an event the engine does not signal); fail after ``timeout``."""
+    stop = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if done():
+            return
+        stop.wait(0.01)
+    raise AssertionError("never happened")
+
+
 def _async_save(state: dict, path: Path, engine: Engine, **writer_kw: object):
     return dcp.async_save(state, checkpoint_id=path, no_dist=True,
                           storage_writer=DataStatesWriter(engine=engine, **writer_kw))
@@ -82,6 +92,7 @@ def test_saves_while_the_cache_is_made_queue_behind_the_first(tmp_path: Path,
     first = clone_state(states[0])
     resps = [_async_save(s, tmp_path / f"ck{k}", engine) for k, s in enumerate(states)]
     assert slow.started.wait(TIMEOUT)
+    _wait_until(lambda: engine.aside_bytes() > 0)  # the first snapshot is copied aside
     for s in states:
         s["big"].zero_()  # before the cache is ready: seen by the queued snapshots only
     slow.gate.set()
