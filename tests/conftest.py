@@ -5,8 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import re
+import select
 import shutil
+import signal
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -286,3 +290,26 @@ def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     """The package's log records at INFO and above."""
     caplog.set_level(logging.INFO, logger="dcp_datastates")
     return caplog
+
+
+def run_then_kill(argv: list[str], marker: str, err: Path, root: Path) -> None:
+    """Run ``argv`` (with ``root`` on its import path, the default I/O backend) until it
+    prints ``marker`` on a line, then SIGKILL it; its stderr goes to ``err`` (shown if the
+    marker never comes)."""
+    env = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    err.parent.mkdir(parents=True, exist_ok=True)
+    with open(err, "w") as errfile:
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errfile, env=env,
+                                 text=True)
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        line = child.stdout.readline() if ready else ""
+        assert line.strip() == marker, (line, child.poll(), err.read_text()[-3000:])
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import shutil
-import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -35,6 +32,7 @@ from conftest import (
     load_into,
     raises_in_dcp,
     rand_tensor,
+    run_then_kill,
 )
 
 import dcp_datastates
@@ -215,26 +213,9 @@ _CHILD = textwrap.dedent(
 
 def run_and_kill(mode: str, tiers: Tiers, step: int, big: int, marker: str) -> None:
     """Run the child until it prints ``marker``, then SIGKILL it."""
-    env = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    err = tiers.scratch / f"child_{mode}.err"
-    err.parent.mkdir(parents=True, exist_ok=True)
-    with open(err, "w") as errfile:
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD.format(tests=str(TESTS)), mode, str(tiers.memory),
-             str(tiers.durable), str(step), str(big)],
-            stdout=subprocess.PIPE, stderr=errfile, env=env, text=True)
-    try:
-        ready, _, _ = select.select([child.stdout], [], [], 60)
-        line = child.stdout.readline() if ready else ""
-        assert line.strip() == marker, (line, child.poll(), err.read_text()[-3000:])
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(30) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdout.close()
+    run_then_kill([sys.executable, "-c", _CHILD.format(tests=str(TESTS)), mode,
+                   str(tiers.memory), str(tiers.durable), str(step), str(big)],
+                  marker, tiers.scratch / f"child_{mode}.err", ROOT)
 
 
 def test_kill_after_memory_commit_then_restore_and_persist(tiers: Tiers, engine: Engine,

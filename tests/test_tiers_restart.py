@@ -8,10 +8,6 @@ test is timed against the wall clock.
 from __future__ import annotations
 
 import logging
-import os
-import select
-import signal
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -19,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, Tiers, assert_state_equal, blank_like, data_files, rand_tensor
+from conftest import (
+    MARKS,
+    Tiers,
+    assert_state_equal,
+    blank_like,
+    data_files,
+    rand_tensor,
+    run_then_kill,
+)
 from fakes import HeldPinEngine
 from test_tiers import ROOT, TESTS, make_state, steps_in
 
@@ -145,26 +149,8 @@ _CHILD = textwrap.dedent(
 def run_and_kill(tiers: Tiers, big: int) -> None:
     """A process that saves steps 1..3 of ``make_state(step, big)`` into the memory tier,
     killed with SIGKILL once they are committed."""
-    env = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    err = tiers.scratch / "child.err"
-    err.parent.mkdir(parents=True, exist_ok=True)
-    with open(err, "w") as errfile:
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD.format(tests=str(TESTS)), str(tiers.memory),
-             str(tiers.durable), str(big)],
-            stdout=subprocess.PIPE, stderr=errfile, env=env, text=True)
-    try:
-        ready, _, _ = select.select([child.stdout], [], [], 60)
-        line = child.stdout.readline() if ready else ""
-        assert line.strip() == "COMMITTED", (line, child.poll(), err.read_text()[-3000:])
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(30) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdout.close()
+    run_then_kill([sys.executable, "-c", _CHILD.format(tests=str(TESTS)), str(tiers.memory),
+                   str(tiers.durable), str(big)], "COMMITTED", tiers.scratch / "child.err", ROOT)
 
 
 def test_restart_adopts_the_dead_process_slots(tiers: Tiers, held: HeldPinEngine,
