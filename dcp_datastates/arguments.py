@@ -1,11 +1,12 @@
-"""Keyword checks of the public constructors: an option that moved, or a misspelt one, raises a
-TypeError that says what to pass instead."""
+"""Keyword checks of the public constructors: an option that moved, a misspelt one, or an
+option passed where the path goes raises a TypeError that says what to pass instead."""
 
 from __future__ import annotations
 
 import difflib
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -18,13 +19,15 @@ F = TypeVar("F", bound=Callable[..., None])
 
 def checked_keywords(init: F) -> F:
     """Wrap a class's ``__init__`` so that an unknown keyword raises a TypeError naming where
-    an option of the engine went, or the closest real keyword (Python's "did you mean").
+    an option of the engine went, or the closest real keyword (Python's "did you mean"); an
+    object other than a path passed positionally (``DataStatesWriter(engine)``) is named too.
 
     The check runs only when the call fails, so a constructor costs nothing more; the
     signature stays the real one (``inspect.signature`` follows ``__wrapped__``).
     """
-    names = [p.name for p in inspect.signature(init).parameters.values()
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+    params = [p for p in inspect.signature(init).parameters.values() if p.name != "self"]
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes_path = any(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)  # path=, positional
     owner = init.__qualname__.rsplit(".", 1)[0]
 
     @functools.wraps(init)
@@ -33,9 +36,15 @@ def checked_keywords(init: F) -> F:
             init(self, *args, **kwargs)
         except TypeError:
             unknown = [k for k in kwargs if k not in names]
-            if not unknown:
+            if unknown:
+                raise TypeError(unknown_keyword(owner, unknown[0], names)) from None
+            odd = [a for a in args if a is not None and not isinstance(a, str | os.PathLike)]
+            if not (odd and takes_path):
                 raise
-            raise TypeError(unknown_keyword(owner, unknown[0], names)) from None
+            raise TypeError(
+                f"{owner}() takes a path (str or os.PathLike) as its only positional argument, "
+                f"got a {type(odd[0]).__name__}: pass the other options by keyword (an engine "
+                f"as engine=engine)") from None
 
     return wrapper  # type: ignore[return-value]
 

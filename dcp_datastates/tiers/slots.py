@@ -133,7 +133,7 @@ class SlotPool:
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._readied = threading.Condition(self._lock)  # a slot left _readying
-        self._warned = self._failed = False
+        self._warned = self._failed = self._closed = False
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
@@ -178,7 +178,7 @@ class SlotPool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
         when none needs it."""
         with self._lock:
-            slot = None if self._failed else next(
+            slot = None if self._failed or self._closed else next(
                 (s for s in self._free if not s.pinned
                  and (s.arena is not None or self._want is not None)), None)
             if slot is None:
@@ -198,8 +198,12 @@ class SlotPool:
         finally:
             with self._lock:
                 self._readying.remove(slot)
-                self._free.append(slot)
+                closed = self._closed
+                if not closed:
+                    self._free.append(slot)
                 self._readied.notify_all()
+        if closed:  # the pool closed meanwhile (a prepare(wait=True) was helping)
+            self._forget(slot)
         return True
 
     def free_bytes(self) -> int:
@@ -259,6 +263,8 @@ class SlotPool:
     def close(self) -> None:
         """Stop the pool's thread; unmap every slot; remove the free ones (held ones are
         steps' data files)."""
+        with self._lock:
+            self._closed = True  # a slot being readied now is forgotten by its reader
         self._thread.close()
         with self._lock:
             slots = [*self._free, *self._held.values()]
@@ -273,8 +279,8 @@ class SlotPool:
         rest. Their size is checked when a save or :meth:`prepare` sizes them."""
         adopted = 0
         for entry in memory.glob(f"{SLOT_DIR_PREFIX}*"):
-            if entry == self.directory:
-                continue
+            if entry == self.directory or entry.is_symlink() or not entry.is_dir():
+                continue  # a link may lead to files that are not slots: left alone
             for path in sorted(entry.glob("slot_*")):
                 if self._count < self.limit and path.is_file() and not path.is_symlink():
                     slot = Slot(self, next(self._names))
