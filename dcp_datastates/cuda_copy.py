@@ -82,22 +82,25 @@ class CudaCopier:
         ``cudaHostRegister`` holds the driver's lock, so other threads' CUDA calls (the
         training's) wait for one piece at most. :meth:`copy` splits copies at the pieces'
         bounds (a copy may not span two registrations)."""
-        pieces = _pieces(addr, nbytes)
-        for k, (at, n) in enumerate(pieces):
-            try:
+        done = 0
+        try:
+            for at, n in _pieces(addr, nbytes):
                 _check(cudart.cudaHostRegister(at, n, cudart.cudaHostRegisterPortable),
                        "cudaHostRegister")
-            except BaseException:
-                for done, _ in pieces[:k]:
-                    cudart.cudaHostUnregister(done)
-                raise
-            time.sleep(PIN_PAUSE_S)  # let waiting threads have the driver's lock
+                done += n
+                time.sleep(PIN_PAUSE_S)  # let waiting threads have the driver's lock
+        except BaseException:  # a failure or an interrupt: no piece stays registered
+            for at, _ in _pieces(addr, done):
+                cudart.cudaHostUnregister(at)
+            raise
 
     @staticmethod
     def unpin(addr: int, nbytes: int) -> None:
-        """Undo :meth:`pin` of the same range; call before the memory is unmapped."""
-        for at, _ in _pieces(addr, nbytes):
-            _check(cudart.cudaHostUnregister(at), "cudaHostUnregister")
+        """Undo :meth:`pin` of the same range (every piece, even after one fails); call before
+        the memory is unmapped."""
+        errors = [cudart.cudaHostUnregister(at) for at, _ in _pieces(addr, nbytes)]
+        for result in errors:
+            _check(result, "cudaHostUnregister")
 
     def stream(self, device: int) -> object:
         with self._lock:

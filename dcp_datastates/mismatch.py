@@ -72,7 +72,7 @@ def _held(held: TensorStorageMetadata) -> str:
 def _expected(value: object) -> str:
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape is None or dtype is None:
-        return f"a {type(value).__name__}"
+        return f"a value of type {type(value).__name__}"
     return f"shape {tuple(shape)} {dtype}"
 
 
