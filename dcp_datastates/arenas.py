@@ -246,12 +246,12 @@ class Arenas:
 
     def snapshot_arena(self, nbytes: int) -> Arena:
         """The snapshot cache, made or grown here for a state of ``nbytes`` where needed.
-        Raises the failure of a make on the arena thread (once), for the save that waited."""
+        Raises the failure of a make on the arena thread for the saves queued behind it (they
+        do not try again; the failure is forgotten once the arena thread has nothing queued)."""
         with self._make_lock:
             with self._lock:
                 self.check_open()
                 if (failed := self._failed) is not None:
-                    self._failed = None
                     raise CheckpointError(f"the host cache could not be made: {failed}") \
                         from failed
                 current = self._snapshot
@@ -284,6 +284,8 @@ class Arenas:
         finally:
             with self._lock:
                 self._queued -= 1
+                if not self._queued:  # every save queued behind a failed make has seen it
+                    self._failed = None
 
     def _make_in_background(self, nbytes: int) -> None:
         with self._lock:

@@ -200,9 +200,11 @@ class SlowArena:
         self.timed_out = False
         self.fail = fail
         self.made: list[Arena] = []
+        self.tries = 0  # snapshot caches asked for
 
     def __call__(self, nbytes: int, name: str) -> Arena:
         if name == "snapshot":
+            self.tries += 1
             self.started.set()
             self.timed_out = not self.gate.wait(60)
             if self.fail is not None:

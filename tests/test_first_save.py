@@ -166,3 +166,24 @@ def test_no_save_no_cache(fixed: str | None, make_engine) -> None:
                          **({"host_cache_size": fixed} if fixed else {}))
     assert engine.snapshot_memory(0) is Memory.ARENA  # an empty state needs no cache
     assert not slow.started.is_set()
+
+
+def test_saves_queued_behind_a_failed_cache_fail_without_trying_again(
+        tmp_path: Path, make_engine) -> None:
+    """Every save queued behind a cache that could not be made fails saying so, without
+    making it again (one slow failure, not one per save); the next save tries afresh."""
+    slow = SlowArena(fail=MemoryError("cannot map the snapshot cache (injected)"))
+    engine = make_engine(make_arena=slow, **ENGINE)
+    resps = [_async_save(_state(seed), tmp_path / f"ck{seed}", engine) for seed in (1, 2, 3)]
+    assert slow.started.wait(TIMEOUT)
+    slow.gate.set()
+    for resp in resps:
+        with raises_in_dcp(CheckpointError, "host cache could not be made"):
+            resp.upload_completion.result(TIMEOUT)
+    assert slow.tries == 1
+    assert engine.aside_bytes() == 0 and engine.live_leases() == 0
+    slow.fail = None
+    new = _state(seed=9)
+    _async_save(new, tmp_path / "ck9", engine).upload_completion.result(TIMEOUT)
+    assert slow.tries == 2
+    assert_state_equal(load_into(new, tmp_path / "ck9", engine=engine), new)
