@@ -97,13 +97,14 @@ class Run:
         self.json.write_text(json.dumps(self.res, indent=1, default=str))
 
     def finish(self, tables, plot) -> None:
-        """Show ``tables(res)``, draw ``plot(res, png)`` beside the JSON, write the JSON."""
+        """Show ``tables(res)``, draw ``plot(res, png)`` beside the JSON (``plot`` None: no
+        plot), write the JSON."""
         self.res["loadavg_1min"].append(os.getloadavg()[0])
         self.res["total_s"] = time.perf_counter() - self.t0
         for table in self.guard("tables", tables, self.res) or []:
             self.show(table)
-        png = self.json.with_suffix(".png")
-        if self.guard("plot", lambda: plot(self.res, png) or True) is None:
+        png = self.json.with_suffix(".png") if plot is not None else None
+        if png is not None and self.guard("plot", lambda: plot(self.res, png) or True) is None:
             png = None
         if self.res["errors"]:
             log("errors: " + "; ".join(f"{k}: {v[0]}" + (f" (x{len(v)})" if len(v) > 1 else "")
