@@ -131,7 +131,7 @@ class SaveJob:
         try:
             plan.placements = place_sources(sources)
             plan.offsets, plan.total = offsets_of(plan.placements, len(sources))
-            lease = self._target_lease(plan.total, len(sources))
+            lease = self.hold(self._target_lease(plan.total, len(sources)))
             if lease is not None:  # a target not pinned yet: a GPU snapshot waits aside
                 slow = not self.target.pinned and plan.ready is not None
                 memory = Memory.ASIDE if slow else Memory.ARENA
@@ -166,13 +166,13 @@ class SaveJob:
                  f"{self.target} is not pinned yet", where)
 
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
-        """Copy the snapshot into ``lease`` (None: a lease of the host cache), then hand the
-        staged state dict out."""
+        """Copy the snapshot into ``lease`` (the job's already; None: a lease of the host
+        cache), then hand the staged state dict out."""
         try:
             if self._ended:
                 return
-            snapshot = Snapshot(self.hold(lease or self.reserve(plan.total)), plan.placements,
-                                in_target=lease is not None)
+            held = lease if lease is not None else self.hold(self.reserve(plan.total))
+            snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, self.stats.copy_s = copy_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
                 plan.dtensors)
