@@ -113,7 +113,7 @@ def test_manager_save_into_a_slot_not_pinned_yet_waits_aside(tmp_path, caplog) -
             state["w"].add_(1.0)  # after the copy aside: must not reach the checkpoint
             handle.result(TIMEOUT)
             assert engine.pinned == 0 and not engine.gate.is_set()
-            assert any("not pinned yet; the snapshot waits aside" in r.getMessage()
+            assert any("not ready yet; the snapshot waits aside" in r.getMessage()
                        for r in caplog.records)
             out = {"w": torch.zeros_like(saved["w"])}
             assert manager.load(out) == 1

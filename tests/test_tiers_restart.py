@@ -57,6 +57,31 @@ def in_use_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 # -- pinning in the background -------------------------------------------------------------------
+def test_a_save_into_a_slot_not_ready_waits_aside(tiers: Tiers, held: HeldPinEngine,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Without prepare(), with pinning held: the first save's slot is neither sized nor
+    pinned, so its snapshot is copied aside at once (the guard waits for that copy only) and
+    moved into the slot on the engine's arena thread; the slot's file still becomes the
+    step's data file, and the step loads exactly."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    state = make_state(1, big=MiB + 3)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                           persist=None, engine=held) as manager:
+        handle = manager.save(1, state)
+        manager.wait_for_snapshots()
+        for value in state.values():  # after the copy aside: must not reach the checkpoint
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                value.add_(1.0)
+        handle.result(timeout=30)
+        assert held.pinned == 0 and not held.gate.is_set()
+        assert any("is not ready yet; the snapshot waits aside" in r.getMessage()
+                   for r in caplog.records)
+        assert not in_use_warnings(caplog)
+        out = blank_like(state)
+        assert manager.load(out) == 1
+        assert_state_equal(out, make_state(1, big=MiB + 3))
+
+
 def test_prepare_wait_returns_once_every_slot_is_pinned(tiers: Tiers,
                                                         held: HeldPinEngine) -> None:
     """prepare(wait=True) (a benchmark's set-up, off the clock): the calling thread helps the

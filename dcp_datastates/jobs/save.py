@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,32 +126,33 @@ class SaveJob:
 
     def _stage(self, skeleton: object, sources: list[torch.Tensor], dtensors: set[int],
                ready: dict | None) -> None:
-        """On the staging thread: copy the snapshot into its target or the host cache; while
-        the cache is being made, copy it aside and move it in on the arena thread."""
+        """On the staging thread: copy the snapshot into its target or the host cache. While
+        the cache is being made, or the target is not ready (sized and pinned), copy it aside
+        and move it in on the arena thread."""
         plan = _Plan(skeleton, sources, dtensors, ready)
         try:
             plan.placements = place_sources(sources)
             plan.offsets, plan.total = offsets_of(plan.placements, len(sources))
-            lease = self.hold(self._target_lease(plan.total, len(sources)))
-            if lease is not None:  # a target not pinned yet: a GPU snapshot waits aside
-                slow = not self.target.pinned and plan.ready is not None
-                memory = Memory.ASIDE if slow else Memory.ARENA
-            else:
-                memory = self.engine.snapshot_memory(plan.total)
+            if self.target is not None and not self.target.pinned and plan.total > 0:
+                self._stage_aside(plan, self._into_target, f"{self.target} is not ready yet")
+                return
+            lease = self.hold(_target_lease(self.target, plan, self.ticket))
+            memory = Memory.ARENA if lease is not None else self.engine.snapshot_memory(
+                plan.total)
             if memory is Memory.ARENA:
                 self._copy(plan, lease)
             elif memory is Memory.QUEUE:
                 self.engine.after_arena(self._copy, plan, None)
             else:
-                self._stage_aside(plan, lease)
+                self._stage_aside(plan, self._copy, "the host cache is being made")
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
             self._done_with_events(plan)
             self.end(exc)
 
-    def _stage_aside(self, plan: _Plan, lease: Lease | None) -> None:
-        """Copy the snapshot aside (the sources may change once it returns), then queue its
-        move on the arena thread into ``lease`` (a target's memory not pinned yet) or the
-        host cache (being made there)."""
+    def _stage_aside(self, plan: _Plan, move: Callable[[_Plan, None], None], why: str) -> None:
+        """Copy the snapshot aside (the sources may change once it returns), then queue
+        ``move(plan, None)`` on the arena thread: into the target once it is sized there, or
+        into the host cache once it is made there."""
         try:
             aside = stash(plan.sources, self.engine.cuda, plan.ready)
         finally:
@@ -159,11 +161,20 @@ class SaveJob:
         plan.sources = list(aside.views)
         where = f"{format_size(aside.gpu_bytes)} on the GPU, {format_size(aside.host_bytes)} " \
                 "in pageable memory"
-        self.engine.move_aside(aside, self._copy, plan, lease)
+        self.engine.move_aside(aside, move, plan, None)
         self.copied.set()
         log.info("dcp_datastates: save %d: %s; the snapshot waits aside meanwhile (%s)",
-                 self.ticket, "the host cache is being made" if lease is None else
-                 f"{self.target} is not pinned yet", where)
+                 self.ticket, why, where)
+
+    def _into_target(self, plan: _Plan, _: None) -> None:
+        """On the arena thread: size the target for a snapshot that waited aside (or, where it
+        cannot take it, fall back to the host cache) and copy it in."""
+        try:
+            lease = self.hold(_target_lease(self.target, plan, self.ticket))
+        except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
+            self.end(exc)
+            return
+        self._copy(plan, lease)
 
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
         """Copy the snapshot into ``lease`` (the job's already; None: a lease of the host
@@ -205,17 +216,6 @@ class SaveJob:
                 "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
                 "staged in pageable memory (slower); give the engine a larger host_cache_size",
                 self.ticket, format_size(overflow))
-
-    def _target_lease(self, total: int, entries: int) -> Lease | None:
-        """The snapshot's lease in the job's snapshot target, if it has one that can take it."""
-        if self.target is None or total <= 0:
-            return None
-        try:
-            return self.target.lease(total, entries)
-        except (OSError, RuntimeError) as exc:  # no space on the tier, pinning refused
-            log.warning("dcp_datastates: save %d: %s unusable (%s); the snapshot goes to the "
-                        "host cache and is copied", self.ticket, self.target, exc)
-            return None
 
     def reserve(self, nbytes: int, wait: bool = True) -> Lease | None:
         """A lease of the engine's host cache (see ``Engine.reserve``)."""
@@ -325,3 +325,16 @@ class SaveJob:
             lease.release()
         if claim is not None:
             claim.release()
+
+
+def _target_lease(target: SnapshotTarget | None, plan: _Plan, ticket: int) -> Lease | None:
+    """The snapshot's lease in save ``ticket``'s snapshot target, if it has one that can take
+    it (else the snapshot goes to the host cache: logged)."""
+    if target is None or plan.total <= 0:
+        return None
+    try:
+        return target.lease(plan.total, len(plan.sources))
+    except (OSError, RuntimeError) as exc:  # no space on the tier, pinning refused
+        log.warning("dcp_datastates: save %d: %s unusable (%s); the snapshot goes to the host "
+                    "cache and is copied", ticket, target, exc)
+        return None
