@@ -40,8 +40,8 @@ class SnapshotTarget(Protocol):
     """Where a snapshot goes instead of the engine's host cache: memory that then becomes the
     save's data file in place (a memory-tier slot). A lease it gives starts where the file's
     data starts (``lease.offset``; the header goes before it). ``str()`` names it in logs.
-    ``pinned``: whether its memory is pinned now (if not, a GPU snapshot is copied aside at
-    once and moved into it off the training's path)."""
+    ``pinned``: whether it is ready now, sized and pinned (if not, the snapshot is copied
+    aside at once, and the target is sized and filled off the training's path)."""
 
     pinned: bool
 
