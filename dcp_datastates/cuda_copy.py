@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -135,13 +136,17 @@ class CudaCopier:
         for event in events.values():
             cudart.cudaEventDestroy(event)
 
-    def copy(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None) -> float:
+    def copy(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None,
+             issued: Callable[[dict[int, object] | None], None] | None = None) -> float:
         """Run ``copies`` on the side streams and wait for them; return the seconds the copies
         took on the GPU (the slowest device; from the first byte, so not the wait for
         ``after``).
 
         ``kind`` is ``"d2h"``, ``"h2d"`` or ``"d2d"`` (within one device); ``after`` holds
-        events the copies must wait for (the caller destroys them).
+        events the copies must wait for (the caller destroys them). ``issued`` is called with
+        an event per device recorded behind the copies once all are issued (work queued after
+        them on the GPU runs after the copies), and with None once they are done, before the
+        events are destroyed.
         """
         direction = getattr(cudart.cudaMemcpyKind, _KINDS[kind])
         by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
@@ -153,6 +158,7 @@ class CudaCopier:
             for at, n in _pieces(host, nbytes):  # within one registration each
                 by_device[device].append((dst + at - host, src + at - host, n))
         spans: list[tuple[object, object, object | None]] = []  # (stream, start, done)
+        published = None
         try:
             for device, batch in by_device.items():
                 stream = self.stream(device)
@@ -166,9 +172,20 @@ class CudaCopier:
                         _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
                                "cudaMemcpyAsync")
                 spans[-1] = (stream, spans[-1][1], _event(stream))
+            if issued is not None:
+                published = issued
+                issued(dict(zip(by_device, (done for _, _, done in spans), strict=True)))
         finally:  # never return while a copy that was issued may still run
-            seconds = _settle(spans)
+            seconds = _settle(spans, published)
         return seconds
+
+    @staticmethod
+    def wait_current(events: dict[int, object]) -> None:
+        """Make the work queued next on each device's current torch stream wait for the
+        device's event (on the GPU: the calling thread goes on)."""
+        for device, event in events.items():
+            current = torch.cuda.current_stream(device).cuda_stream
+            _check(cudart.cudaStreamWaitEvent(current, event, 0), "cudaStreamWaitEvent")
 
     def _copy_batch(self, copies: list[tuple[int, int, int]], stream: object) -> bool:
         """Issue ``copies`` in one ``cudaMemcpyBatchAsync`` call; False where it is missing."""
@@ -200,9 +217,11 @@ def _event(stream: object) -> object:
     return event
 
 
-def _settle(spans: list[tuple[object, object, object | None]]) -> float:
-    """Wait for each (stream, start, done) span's copies, destroy its events; the longest
-    span in seconds (a stream whose copies were not all issued is waited for in full)."""
+def _settle(spans: list[tuple[object, object, object | None]],
+            published: Callable[[None], None] | None) -> float:
+    """Wait for each (stream, start, done) span's copies, take back the ``published`` done
+    events, destroy the events; the longest span in seconds (a stream whose copies were not
+    all issued is waited for in full)."""
     longest = 0.0
     for stream, start, done in spans:
         if done is not None:
@@ -210,8 +229,11 @@ def _settle(spans: list[tuple[object, object, object | None]]) -> float:
             err, ms = cudart.cudaEventElapsedTime(start, done)
             if err == cudart.cudaError_t.cudaSuccess:
                 longest = max(longest, ms / 1e3)
-            cudart.cudaEventDestroy(done)
         else:
             cudart.cudaStreamSynchronize(stream)
-        cudart.cudaEventDestroy(start)
+    if published is not None:
+        published(None)
+    for _, start, done in spans:
+        for event in (start, done) if done is not None else (start,):
+            cudart.cudaEventDestroy(event)
     return longest

@@ -59,6 +59,9 @@ class Saves(Work, Protocol):
     def wait_for_snapshots(self) -> None:
         """Block until every snapshot staged so far has been copied."""
 
+    def order_after_snapshots(self) -> None:
+        """Hold the calling thread's next GPU work until those snapshots are copied."""
+
     def memory_given_up(self) -> bool:
         """Whether a wait for cache memory should stop: only untaken snapshots hold it."""
 
@@ -253,6 +256,14 @@ class Engine:
         """Block until every snapshot staged so far has been copied (failed ones included)."""
         if self.saves is not None:
             self.saves.wait_for_snapshots()
+
+    def order_after_snapshots(self) -> None:
+        """Hold the work the calling thread queues next until every snapshot staged so far has
+        been copied: GPU work waits on the GPU for copies issued on the side streams (this
+        returns at once), anything else waits here (what :func:`~dcp_datastates.guard` does
+        before ``optimizer.step()``)."""
+        if self.saves is not None:
+            self.saves.order_after_snapshots()
 
     # -- executors ------------------------------------------------------------------------------
     def submit(self, fn: Callable, *args: object):

@@ -1,4 +1,4 @@
-"""The optimizer pre-step guard: training waits for a snapshot only where it would change it."""
+"""The optimizer pre-step guard: the step runs after the snapshot copies it would change."""
 
 from __future__ import annotations
 
@@ -11,27 +11,30 @@ from .writer import DataStatesWriter
 
 def guard(optimizer: torch.optim.Optimizer,
           source: DataStatesWriter | Engine | None = None) -> RemovableHandle:
-    """Make ``optimizer.step()`` wait until the snapshots staged so far have been copied.
+    """Make ``optimizer.step()`` run after the snapshots staged so far have been copied.
 
     Forward and backward do not change parameters or optimizer state, so a snapshot started by
     ``dcp.async_save`` can copy them while they run; the step is the first place that changes
-    them. ``source`` is a writer (its latest snapshot), an engine, or None for the process's
+    them. The copies of GPU tensors run on a side stream: once they are issued, the step's
+    kernels are queued behind them on the GPU and the hook returns (the training thread goes
+    on); other copies (CPU tensors, no cuda-python) are waited for here. ``source`` is a writer
+    (its latest snapshot), an engine or a ``CheckpointManager``, or None for the process's
     engine of the moment (every snapshot staged through it: right with a fresh writer per
-    save). The hook returns at once when nothing is copying. While the engine's host cache is
-    still being made (the first save of a process), it waits only for the snapshot's copy
-    aside, not for the cache. Call ``.remove()`` on the handle to take it off.
+    save). While the engine's host cache is still being made (the first save of a process),
+    only the snapshot's copy aside is waited for, not the cache. Call ``.remove()`` on the
+    handle to take it off.
     """
     if isinstance(source, DataStatesWriter):
-        wait = source.wait_for_snapshot
+        order = source.order_after_snapshot
     elif source is not None:
-        wait = source.wait_for_snapshots
+        order = source.order_after_snapshots
     else:
-        wait = _wait_default
-    return optimizer.register_step_pre_hook(lambda opt, args, kwargs: wait())
+        order = _order_default
+    return optimizer.register_step_pre_hook(lambda opt, args, kwargs: order())
 
 
-def _wait_default() -> None:
-    """Wait for the process's engine of the moment (none made yet: nothing to wait for)."""
+def _order_default() -> None:
+    """Order after the process's engine of the moment (none made yet: nothing to wait for)."""
     engine = current_default()
     if engine is not None:
-        engine.wait_for_snapshots()
+        engine.order_after_snapshots()

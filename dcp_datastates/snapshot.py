@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -163,13 +164,14 @@ def copy_into(
     cuda: CudaCopier | None,
     ready: dict[int, object] | None,
     own_storage: set[int] = frozenset(),
+    issued: Callable[[dict[int, object] | None], None] | None = None,
 ) -> tuple[list[torch.Tensor], int, float | None]:
     """Copy ``sources`` into ``lease`` at ``offsets``; return the copies, the bytes that did
     not fit (staged in pageable memory instead) and the seconds the GPU copies took on the GPU
-    (None: none made with cuda-python). Gaps in the lease are zeroed.
-
-    Sources numbered in ``own_storage`` (DTensor locals) get a storage of their own: torch
-    pickles a DTensor whose local tensor sits at a storage offset as a plain tensor.
+    (None: none made with cuda-python). Gaps in the lease are zeroed. ``issued``: as in
+    :meth:`CudaCopier.copy` (CPU sources are copied by then). Sources numbered in
+    ``own_storage`` (DTensor locals) get a storage of their own: torch pickles a DTensor whose
+    local tensor sits at a storage offset as a plain tensor.
     """
     base = lease.storage() if lease is not None else None
     staged: list[torch.Tensor] = []
@@ -177,8 +179,7 @@ def copy_into(
     overflow = 0
     filled: list[tuple[int, int]] = []
     for i, src in enumerate(sources):
-        n = nbytes_of(src)
-        offset = offsets[i]
+        n, offset = nbytes_of(src), offsets[i]
         if lease is None or offset + n > lease.capacity or n == 0:
             overflow += n
             dst = torch.empty(src.shape, dtype=src.dtype)
@@ -204,7 +205,7 @@ def copy_into(
             dst.copy_(src)
     if lease is not None:
         _zero_gaps(lease, filled)
-    device_s = cuda.copy(gpu, "d2h", after=ready) if gpu else None
+    device_s = cuda.copy(gpu, "d2h", after=ready, issued=issued) if gpu else None
     return staged, overflow, device_s
 
 

@@ -118,6 +118,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if self._last is not None:
             self._last.copied.wait()
 
+    def order_after_snapshot(self) -> None:
+        """Hold the work the calling thread queues next until the latest snapshot's copies
+        are done: on the GPU where they were issued there (see
+        :meth:`Engine.order_after_snapshots`)."""
+        if self._last is not None:
+            self._last.copied.order(self.engine.cuda)
+
     def close(self) -> None:
         """Discard snapshots this writer staged that no save has taken (their cache memory is
         freed); saves in progress are not affected."""

@@ -153,16 +153,17 @@ class Costly:
 
 
 class SlowGuardEngine(Engine):
-    """An engine whose next ``wait_for_snapshots`` takes ``next_wait_s`` of ``clock`` (set by
-    the test after a save is taken: its snapshot holds the next optimizer step that long)."""
+    """An engine whose next ``order_after_snapshots`` (the guard's wait) takes ``next_wait_s``
+    of ``clock`` (set by the test after a save is taken: its snapshot holds the next optimizer
+    step that long)."""
 
     def __init__(self, clock: FakeClock, **kw: object) -> None:
         super().__init__(**kw)
         self.clock = clock
         self.next_wait_s = 0.0
 
-    def wait_for_snapshots(self) -> None:
-        super().wait_for_snapshots()
+    def order_after_snapshots(self) -> None:
+        super().order_after_snapshots()
         self.clock.now += self.next_wait_s
         self.next_wait_s = 0.0
 

@@ -184,14 +184,14 @@ def test_a_save_with_no_slot_free_is_skipped(tiers: Tiers, clock: FakeClock, log
             handles = []
             for step in range(6):
                 clock.now += STEP_S
-                manager.wait_for_snapshots()
+                manager.order_after_snapshots()  # what the guard calls
                 handles.append(manager.save(step, make_state(step)))
             assert [h.skipped for h in handles] == [False] * 4 + [True] * 2
             assert handles[4].reason.startswith("no memory-tier slot free")
             hold.gate.set()
             manager.wait()
             clock.now += STEP_S
-            manager.wait_for_snapshots()
+            manager.order_after_snapshots()
             assert not manager.save(6, make_state(6)).skipped
     finally:
         hold.gate.set()

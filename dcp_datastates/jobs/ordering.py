@@ -241,6 +241,14 @@ class SaveOrder:
         for job in jobs:
             job.copied.wait()
 
+    def order_after_snapshots(self) -> None:
+        """Hold the work the calling thread queues next until every snapshot staged so far
+        has been copied: on the GPU where the copies are issued (:meth:`CopyFence.order`)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.copied.order(self.engine.cuda)
+
     def reap(self) -> None:
         """End the saves DCP abandoned (rules 2 and 3)."""
         with self._lock:

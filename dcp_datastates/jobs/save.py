@@ -44,6 +44,7 @@ from ..snapshot import (
 )
 from ..stats import SaveStats
 from .commit import commit
+from .fence import CopyFence
 from .flush import write_data_file
 from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
 
@@ -88,7 +89,7 @@ class SaveJob:
         self.state = "planned"
         self.stats = SaveStats(backend=engine.io.name)
         self.tie = Tie()  # how DCP holds this save (judged by the save order)
-        self.copied = threading.Event()  # the sources are copied: training may change them
+        self.copied = CopyFence()  # the sources are copied (or queued behind): may change
         self.settled = threading.Event()  # staging is over: no copy into the lease is left
         self.committed: Future = Future()  # this rank's part over (the coordinator: committed)
         self.is_coordinator = True
@@ -186,7 +187,7 @@ class SaveJob:
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, self.stats.copy_s = copy_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
-                plan.dtensors)
+                plan.dtensors, self.copied.publish)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it

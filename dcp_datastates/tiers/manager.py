@@ -59,26 +59,23 @@ class CheckpointManager:
         memory_dir: this rank's memory tier; default
             ``/dev/shm/dcp_datastates/<durable_dir's last names>-<hash>/rank_<rank>``. Give
             every rank of a node its own directory (the default does).
-        keep_memory: memory-tier checkpoints kept (each rank keeps this many, plus up to two
-            being written and one being persisted: size the tier for ``keep_memory + 3``
-            states).
+        keep_memory: memory-tier checkpoints kept (plus up to two being written and one being
+            persisted: size the tier for ``keep_memory + 3`` states).
         keep_durable: durable checkpoints kept (None: all).
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
             as its file system has free. A save that would not fit fails before writing.
         persist: ``"idle"`` keeps the disk busy: a save is persisted when every rank's
-            previous persist is over, and a persist that ends goes straight on with the newest
-            step committed meanwhile, if any; an integer N persists every N-th save (one
-            due while a persist still runs is deferred to the next save that finds every rank
-            idle; logged); None never.
+            previous persist is over, and a persist that ends goes on with the newest step
+            committed meanwhile; N persists every N-th save (one due during a persist is
+            deferred to the next save that finds every rank idle; logged); None never.
         replicate: also keep each rank's memory checkpoints in the next rank's memory tier
             (another node's, in a real job), so a lost node's memory can be restored from memory.
         engine: the :class:`~dcp_datastates.Engine` (default: the process's engine).
         max_overhead: the fraction of training time checkpointing may cost the training
-            thread (the ``save()`` calls, the guard's waits and the loop's slowdown while a
-            save is in flight, against the time between saves); a save that does not fit is
-            skipped at once (:mod:`.budget`). 0.05 lets a loop call ``save`` every step and
-            get as many checkpoints as the hardware allows within 5%. None (default) takes
-            every save, as a loop that saves every N steps expects.
+            thread (``save()`` calls, the guard's waits, the loop's slowdown while a save is in
+            flight); a save that does not fit is skipped at once (:mod:`.budget`). 0.05 lets a
+            loop call ``save`` every step and get as many checkpoints as the hardware allows
+            within 5%. None (default) takes every save, as a loop saving every N steps expects.
         clock: what the budget measures time with (tests pass a fake).
 
     Under ``torch.distributed`` the manager makes gloo groups of its own (collectively, in the
@@ -106,9 +103,9 @@ class CheckpointManager:
             memory_limit, name="memory_limit")
         self.persist_policy = persist if self.durable is not None else None
         self._engine = engine
-        self.replicate = replicate and self.world > 1
         if replicate and self.world == 1:
             log.info("dcp_datastates: replicate=True with one rank: no peer to replicate to")
+        self.replicate = replicate and self.world > 1
         self.history: list[SaveFigures] = []  # saves committed, then skipped ones at once
         self._budget = None if max_overhead is None else Budget(max_overhead, clock, ranks,
                                                                 self.history)
@@ -206,12 +203,15 @@ class CheckpointManager:
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for_snapshots(self) -> None:
-        """Block until every snapshot staged so far is copied (what ``guard`` calls); under
-        ``max_overhead``, the wait counts as a cost of the save waited for."""
-        if self._budget is None:
-            self.engine.wait_for_snapshots()
-        else:
-            self._budget.wait(self.engine.wait_for_snapshots)
+        """Block until every snapshot staged so far is copied (a cost under ``max_overhead``)."""
+        self._wait(self.engine.wait_for_snapshots)
+
+    def order_after_snapshots(self) -> None:
+        """What ``guard`` calls (:meth:`Engine.order_after_snapshots`), counted as above."""
+        self._wait(self.engine.order_after_snapshots)
+
+    def _wait(self, wait: Callable[[], None]) -> None:
+        wait() if self._budget is None else self._budget.wait(wait)
 
     def wait(self) -> None:
         """Wait for every save so far: memory commits, replicas and persists; raise the first

@@ -1,0 +1,61 @@
+"""When training may change a snapshot's sources: on the CPU once the copies are done, or on
+the GPU once they are issued (work queued after events recorded behind them runs after them).
+
+A save's :class:`CopyFence` is set (like a ``threading.Event``) when its sources are copied,
+failed or not. While the copies of GPU sources run on the side streams it also holds an event
+per device recorded behind them: :meth:`CopyFence.order` then makes the work queued next on
+the training's streams wait for those events and returns at once, so the training thread
+goes on issuing work while the copies run (the optimizer's kernels queue behind them).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+
+class StreamWaiter(Protocol):
+    def wait_current(self, events: dict[int, object]) -> None:
+        """Make the work queued next on each device's current stream wait for its event."""
+
+
+class CopyFence:
+    """A save's copies: done (``set``) or, for GPU sources, issued (``publish``)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._passable = threading.Event()  # done, or events published
+        self._lock = threading.Lock()
+        self._events: dict[int, object] | None = None
+
+    def set(self) -> None:
+        """The copies are over (or will never run): the sources may change."""
+        self._done.set()
+        self._passable.set()
+
+    def is_set(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the copies are over."""
+        return self._done.wait(timeout)
+
+    def publish(self, events: dict[int, object] | None) -> None:
+        """The copier's call: ``events`` recorded behind the copies on each device once all
+        are issued; None once they are done, before the events are destroyed."""
+        with self._lock:
+            self._events = events
+        if events is not None:
+            self._passable.set()
+
+    def order(self, waiter: StreamWaiter | None) -> None:
+        """Hold the work queued next on the calling thread's streams until the copies are
+        over: on the GPU where their events are published (``waiter`` makes the streams wait;
+        this returns at once), else by waiting here."""
+        self._passable.wait()
+        if waiter is not None:
+            with self._lock:
+                if self._events is not None:
+                    waiter.wait_current(self._events)
+                    return
+        self._done.wait()

@@ -1,0 +1,73 @@
+"""CopyFence: the guard's wait goes to the GPU once a snapshot's copies are issued, and stays on
+the CPU otherwise (no events, events taken back, no CUDA)."""
+
+from __future__ import annotations
+
+import threading
+
+from dcp_datastates.jobs.fence import CopyFence
+
+
+class RecordingWaiter:
+    """Stands in for the CUDA copier: records the events streams were made to wait for."""
+
+    def __init__(self) -> None:
+        self.waited: list[dict[int, object]] = []
+
+    def wait_current(self, events: dict[int, object]) -> None:
+        self.waited.append(dict(events))
+
+
+def ordered_in_thread(fence: CopyFence, waiter: RecordingWaiter | None) -> threading.Thread:
+    thread = threading.Thread(target=fence.order, args=(waiter,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_published_events_make_the_streams_wait_and_return_at_once() -> None:
+    fence, waiter = CopyFence(), RecordingWaiter()
+    fence.publish({0: "event0", 1: "event1"})
+    fence.order(waiter)  # returns although the copies are not over
+    assert not fence.is_set()
+    assert waiter.waited == [{0: "event0", 1: "event1"}]
+
+
+def test_order_waits_until_the_copies_are_issued() -> None:
+    fence, waiter = CopyFence(), RecordingWaiter()
+    thread = ordered_in_thread(fence, waiter)
+    thread.join(0.2)
+    assert thread.is_alive() and waiter.waited == []
+    fence.publish({0: "event0"})
+    thread.join(5)
+    assert not thread.is_alive()
+    assert waiter.waited == [{0: "event0"}]
+
+
+def test_events_taken_back_mean_waiting_for_the_end_on_the_cpu() -> None:
+    fence, waiter = CopyFence(), RecordingWaiter()
+    fence.publish({0: "event0"})
+    fence.publish(None)  # the copies are done; their events are about to be destroyed
+    thread = ordered_in_thread(fence, waiter)
+    thread.join(0.2)
+    assert thread.is_alive(), "order() returned before the fence was set"
+    fence.set()
+    thread.join(5)
+    assert not thread.is_alive() and waiter.waited == []
+
+
+def test_without_a_waiter_order_waits_for_the_copies() -> None:
+    fence = CopyFence()
+    fence.publish({0: "event0"})
+    thread = ordered_in_thread(fence, None)
+    thread.join(0.2)
+    assert thread.is_alive()
+    fence.set()
+    thread.join(5)
+    assert not thread.is_alive() and fence.wait(0)
+
+
+def test_a_set_fence_passes_at_once() -> None:
+    fence, waiter = CopyFence(), RecordingWaiter()
+    fence.set()
+    fence.order(waiter)
+    assert waiter.waited == [] and fence.wait(0)
