@@ -7,8 +7,11 @@ each. Per save: ``snapshot_s`` (``save()`` to the snapshot copied) and ``commit_
 (``memory_s - snapshot_s``: DCP's planning, checksums, header and bytes items, ``.metadata``,
 rename, the manager's bookkeeping). Each run is done idle and with a second thread busy
 running Python half the time (as a training thread holds the GIL between its CUDA calls).
-Then ``--traced`` more saves with a profile hook on every thread break the commit into phases
-(the hook slows Python code, the planning most: their total is shown beside the clean one).
+Full (generation 2) collections of the cyclic GC during the clean saves are counted and timed
+(``gc.callbacks``): they stop every thread, training's too, and what a save keeps alive while
+it runs brings them sooner. Then ``--traced`` more saves with a profile hook on every thread
+break the commit into phases (the hook slows Python code, the planning most: their total is
+shown beside the clean one).
 Goal (issue 17): commit <= 0.15 s for 8 GiB on an H100 host.
 
     python benchmarks/bench_commit.py                # 8 GiB on the GPU (2 GiB on CPU)
@@ -17,6 +20,7 @@ Goal (issue 17): commit <= 0.15 s for 8 GiB on an H100 host.
 
 from __future__ import annotations
 
+import gc
 import shutil
 import sys
 import threading
@@ -127,6 +131,33 @@ class Tracer:
         return out
 
 
+class FullCollections:
+    """The full (generation 2) collections of the cyclic GC while :meth:`on`'s block runs:
+    how many, and the seconds they took."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+        self._start: float | None = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+    @contextmanager
+    def on(self) -> Iterator[FullCollections]:
+        gc.callbacks.append(self._callback)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self._callback)
+
+
 # -- the state -----------------------------------------------------------------------------------
 def gpt_dim(nbytes: int, layers: int, vocab: int, seq: int) -> int:
     """The model width (a multiple of 64) whose bf16 parameters and two AdamW moments take
@@ -216,20 +247,21 @@ def variant(state: dict, memory: Path, args, busy: bool) -> dict:
     """Clean saves, then traced ones (an engine each: its threads are hooked), with or
     without a busy Python thread."""
     with busy_thread(busy):
-        with Engine() as engine:
+        with Engine() as engine, FullCollections().on() as full:
             clean = saves(state, engine, memory, args.saves, None)
         traced: list[dict] = []
         if args.traced:
             tracer = Tracer()
             with tracer.on(), Engine() as engine:
                 traced = saves(state, engine, memory, args.traced, tracer)
-    res = {"clean": clean, "traced": traced}
+    res = {"clean": clean, "traced": traced, "gen2": {"count": full.count, "s": full.seconds}}
     res["median"] = {k: median([r[k] for r in clean], skip=1) for k in clean[0]}
     res["traced_median"] = ({k: median([r[k] for r in traced], skip=1) for k in traced[0]}
                             if traced else {})
     log(f"{'busy' if busy else 'idle'}: snapshot {res['median']['snapshot_s']:.3f} s, commit "
         f"{res['median']['commit_s']:.3f} s (medians of {len(clean)}, first left out); "
-        f"commits " + " ".join(f"{r['commit_s']:.3f}" for r in clean))
+        f"{full.count} full GCs ({full.seconds:.3f} s) in {len(clean)} saves; commits "
+        + " ".join(f"{r['commit_s']:.3f}" for r in clean))
     return res
 
 
@@ -245,6 +277,8 @@ def tables(res: dict) -> list[Table]:
     for key in keys:
         t.add(key, *[r["median"].get(key) for r in runs.values()],
               *[r["traced_median"].get(key) for r in runs.values()])
+    for key, name in (("count", "full GCs (clean saves)"), ("s", "full GCs' seconds")):
+        t.add(name, *[r["gen2"][key] for r in runs.values()], *[None for _ in runs])
     return [t]
 
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..reader import DataStatesReader
 from ..writer import DataStatesWriter
+from .plans import ReusingPlanner
 
 
 def plain(state: dict) -> dict:
@@ -30,11 +31,18 @@ def plain(state: dict) -> dict:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 
-def save(state: dict, writer: DataStatesWriter) -> None:
+def save(state: dict, writer: DataStatesWriter, planner: ReusingPlanner | None = None) -> None:
     """Save ``state`` (no ``Stateful`` values: see :func:`plain`) through ``writer``, which
-    names the checkpoint's directory, as ``dcp.save(..., no_dist=True)`` does."""
-    with storage_errors():  # a full tier, a failed write
-        _save_state_dict(state_dict=state, storage_writer=writer, no_dist=True)
+    names the checkpoint's directory, as ``dcp.save(..., no_dist=True)`` does; ``planner``
+    (used by one save at a time) plans it, or DCP's default planner. The planner lets the
+    state go when the save ends."""
+    try:
+        with storage_errors():  # a full tier, a failed write
+            _save_state_dict(state_dict=state, storage_writer=writer, no_dist=True,
+                             planner=planner)
+    finally:
+        if planner is not None:
+            planner.release()
 
 
 def load(state: dict, directory: Path, reader: DataStatesReader) -> None:

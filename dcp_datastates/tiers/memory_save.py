@@ -25,6 +25,7 @@ from ..snapshot import nbytes_of
 from ..writer import DataStatesWriter
 from . import local_dcp, replica
 from .handles import SaveFigures, SaveHandle, TierFullError, failed_handle
+from .plans import ReusingPlanner
 from .ranks import Ranks
 from .retention import Retention
 from .slots import Slot, SlotPool
@@ -53,6 +54,8 @@ class MemorySaver:
         # runs each save's DCP part, as dcp.async_save's thread would (so not "dcp_datastates-":
         # the writer ties a DCP save to the snapshot its thread took)
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager-upload")
+        #: plans the saves (one at a time, on the upload thread), reusing the last plans
+        self.planner = ReusingPlanner()
 
     def start(self, step: int, state: dict, start: float, slot: Slot | None) -> SaveHandle:
         """Start the save of ``state`` (plain: no ``Stateful``) at ``step``; a save that cannot
@@ -101,7 +104,7 @@ class MemorySaver:
         thread stays, so a save costs the training loop no thread start): DCP's save of the
         snapshot, once it is copied."""
         try:
-            local_dcp.save(staged.result(), writer)
+            local_dcp.save(staged.result(), writer, self.planner)
         finally:
             writer.close()  # a snapshot that DCP's save did not take is given back
 
