@@ -16,6 +16,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def step_sync() -> None:
+    """Wait for the work queued on the current CUDA stream, as a training loop's
+    ``loss.item()`` does (not for other streams: a checkpoint's copies on a side stream)."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+
+
 def timed(fn, *args: object, **kwargs: object) -> float:
     """Seconds ``fn(*args, **kwargs)`` takes, GPU work included."""
     sync()
