@@ -118,6 +118,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if self._last is not None:
             self._last.copied.wait()
 
+    def snapshot_copied(self) -> bool:
+        """Whether the latest snapshot's copies are over (True where none was staged)."""
+        return self._last is None or self._last.copied.is_set()
+
     def order_after_snapshot(self) -> None:
         """Hold the work the calling thread queues next until the latest snapshot's copies
         are done: on the GPU where they were issued there (see

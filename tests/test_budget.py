@@ -182,13 +182,16 @@ def test_a_save_with_no_slot_free_is_skipped(tiers: Tiers, clock: FakeClock, log
         with CheckpointManager(memory_dir=tiers.memory, engine=made, keep_memory=1,
                                max_overhead=BUDGET, clock=clock) as manager:
             handles = []
-            for step in range(6):
-                clock.now += STEP_S
-                manager.order_after_snapshots()  # what the guard calls
-                handles.append(manager.save(step, make_state(step)))
-            assert [h.skipped for h in handles] == [False] * 4 + [True] * 2
+            try:
+                for step in range(6):
+                    clock.now += STEP_S
+                    manager.order_after_snapshots()  # what the guard calls
+                    handles.append(manager.save(step, make_state(step)))
+            finally:  # a failed assertion must not leave close() waiting for held writes
+                hold.gate.set()
+            assert [h.skipped for h in handles] == [False] * 4 + [True] * 2, [
+                h.reason for h in handles]
             assert handles[4].reason.startswith("no memory-tier slot free")
-            hold.gate.set()
             manager.wait()
             clock.now += STEP_S
             manager.order_after_snapshots()

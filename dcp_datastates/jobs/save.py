@@ -196,11 +196,11 @@ class SaveJob:
         finally:
             plan.sources.clear()  # the copies are done: the sources may be changed or freed
             self._done_with_events(plan)
-            self.copied.set()
             self.settled.set()
         self.snapshot = snapshot
         self._staged(staged, snapshot.overflow)
         self.tie.deliver(state)
+        self.copied.set()  # after the staged future: a guard that waited finds it done
 
     def _done_with_events(self, plan: _Plan) -> None:
         if plan.ready is not None:

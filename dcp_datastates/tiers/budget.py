@@ -31,7 +31,6 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
-from concurrent import futures
 
 from .handles import SaveFigures, SaveHandle, skipped_handle
 from .ranks import Ranks
@@ -219,11 +218,10 @@ class Budget:
         self._end_call(open_figures=True)
 
     def wait(self, wait: Callable[[], None]) -> None:
-        """Run the guard's ``wait`` for the snapshots; spend the time it took."""
+        """Run the guard's ``wait`` for the snapshots; spend the time it took (where the
+        step's GPU work queues behind the copies instead, a delay shows in the intervals)."""
         start = self.clock()
         wait()
-        if self._open is not None:  # its future is set just after its copies end
-            futures.wait([self._open.staged])
         waited = self.clock() - start
         self._charge(waited, open_figures=True)
         self._waited += waited
@@ -242,8 +240,10 @@ class Budget:
     def _close_open(self, now: float) -> None:
         """The last save taken is open until its snapshot is over; a save is settled once
         its commit is done and its slowdown charged."""
-        if self._open is not None and self._open.staged.done():
-            self.account.guess(self._open.figures.cost_s)
+        handle = self._open
+        if handle is not None and (handle.staged.done() or (
+                handle.copies_over is not None and handle.copies_over())):
+            self.account.guess(handle.figures.cost_s)
             self._open = None
         for handle in self.drag.over(now):
             self.account.settle(handle.figures.cost_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -46,13 +47,16 @@ class SaveHandle:
     this rank's part there, and the commit of the step if this rank completed it).
 
     A save skipped under ``max_overhead`` has a ``reason``: nothing was staged or written, and
-    its futures are done (``result()`` returns None: a skip is no failure)."""
+    its futures are done (``result()`` returns None: a skip is no failure). ``copies_over()``:
+    whether the snapshot no longer reads the state (its copies are over; it may still be
+    moving from where it waited aside); None: once ``staged`` is done."""
 
     step: int
     staged: Future
     committed: Future
     persisted: Future | None = None
     reason: str = ""
+    copies_over: Callable[[], bool] | None = field(default=None, repr=False)
     figures: SaveFigures = field(init=False)
     raised: bool = field(default=False, init=False)  # result() raised the save's error
 
