@@ -12,7 +12,8 @@ sampled every 2 ms), and which checkpoint phases ran meanwhile (snapshot, commit
 Variants: ``base`` (bench_training's tiers: every 10 steps, persist "idle", device-wide sync
 per step); ``nopersist`` (persist=None); ``nice`` (the library's threads reniced to 19);
 ``hash4`` (4 hash threads); ``stream`` (steps synced on the compute stream only, as
-``loss.item()`` does); ``every1`` (a save every step).
+``loss.item()`` does); ``every1`` (a save every step); ``budget`` (a save every step,
+``max_overhead=0.05``, the budget's account printed per step).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def run_variant(tr: bt.Trainer, a: argparse.Namespace, name: str, sampler: Sampl
     shutil.rmtree(a.dir, ignore_errors=True)
     manager = CheckpointManager(Path(a.dir) / "durable", memory_dir=MEM, keep_memory=2,
                                 keep_durable=2, engine=engine,
-                                persist=None if name == "nopersist" else "idle")
+                                persist=None if name == "nopersist" else "idle",
+                                max_overhead=0.05 if name == "budget" else None)
     manager.prepare(state, wait=True)
     marks: dict[str, float] = {}
     def mark(key: str):
@@ -125,7 +127,7 @@ def run_variant(tr: bt.Trainer, a: argparse.Namespace, name: str, sampler: Sampl
     pre = tr.opt.register_step_pre_hook(mark("guard0"))
     hook = guard(tr.opt, manager)
     post = tr.opt.register_step_pre_hook(mark("guard1"))
-    every = 1 if name == "every1" else a.every
+    every = 1 if name in ("every1", "budget") else a.every
 
     def sync() -> None:
         if not cuda:
@@ -141,6 +143,7 @@ def run_variant(tr: bt.Trainer, a: argparse.Namespace, name: str, sampler: Sampl
             tr.step()
         sync()
         for s in range(1, (min(a.steps, 20) if name == "every1" else a.steps) + 1):
+            budget = manager._budget  # a probe's look inside
             if name == "nice":
                 renice(19)
             sync()
@@ -166,6 +169,11 @@ def run_variant(tr: bt.Trainer, a: argparse.Namespace, name: str, sampler: Sampl
                    "opt_issue_ms": 1e3 * (t_step - marks["guard1"]),
                    "save_call_ms": 1e3 * (t_issued - t_step),
                    "gpu_ms": e0.elapsed_time(e1) if cuda else None, "t0": t0, "t1": t1}
+            if budget is not None:
+                row["budget"] = (f"expected={budget.account.expected} credit="
+                                 f"{budget.account.credit:.3f} open={budget._open is not None} "
+                                 f"costs={[round(f.cost_s or 0, 3) for f in manager.history]}"
+                                 f" skipped={saves[-1][2].skipped if saves else None}")
             rows.append(row)
         manager.wait()
     finally:
@@ -204,6 +212,8 @@ def show(name: str, res: dict) -> None:
         print(f"{r['step']:5d} {r['ms']:6.1f} {r['issue_ms']:6.1f} {r['fwdbwd_issue_ms']:6.1f}"
               f" {r['guard_ms']:5.1f} {r['opt_issue_ms']:5.1f} {r['save_call_ms']:5.1f} {gpu}"
               f" {r['late_max_ms']:8.1f} {r['late_sum_ms']:8.1f}  {','.join(r['active'])}")
+        if "budget" in r:
+            print("          ", r["budget"][:300])
         if r["ms"] > 1.15 * med:
             for f, n in r["frames"]:
                 print(f"          {n:4d} x {f}")
