@@ -25,28 +25,33 @@ from torch.distributed.tensor import DTensor
 Structure = tuple[object, ...]
 
 
-def structure(flat: dict[str, Any]) -> Structure | None:
+def structure(flat: dict[str, Any], paths: dict[str, tuple] | None = None) -> Structure | None:
     """What DCP's default plan of the flattened state ``flat`` depends on, or None if a value
     is one whose plan may depend on more (a tensor subclass other than a DTensor over a plain
-    tensor, an object with ``__create_write_items__``).
+    tensor, an object with ``__create_write_items__``). ``paths``: the flattening's mappings
+    (each name's path in the nested state, which the metadata's ``planner_data`` holds:
+    ``{"a": {"b": t}}`` and ``{"a.b": t}`` flatten to the same name, not the same path).
 
     A plain tensor's write item holds its shape and ``TensorProperties`` (dtype, layout,
-    requires_grad, pinned); a DTensor's its global shape, its local tensor's properties and
-    shape, and the offsets its placements and device mesh give this rank; any other value is a
-    bytes item, which holds only its name."""
+    requires_grad, pinned); a DTensor's its global shape, the properties of ``to_local()``
+    (whose requires_grad is the DTensor's with grad enabled, its local tensor's without) and
+    the offsets its placements and device mesh give this rank; any other value is a bytes
+    item, which holds only its name."""
     out: list[object] = []
     for fqn, value in flat.items():
+        name = fqn if paths is None else paths.get(fqn, fqn)
         kind = type(value)
         if kind is torch.Tensor:
-            out.append((fqn, value.dtype, value.layout, value.requires_grad, value.shape,
+            out.append((name, value.dtype, value.layout, value.requires_grad, value.shape,
                         value.is_pinned()))
         elif kind is DTensor and type(local := value._local_tensor) is torch.Tensor:
-            out.append((fqn, value.shape, local.dtype, local.layout, local.requires_grad,
-                        local.shape, local.is_pinned(), value.placements, value.device_mesh))
+            out.append((name, value.shape, value.requires_grad, local.dtype, local.layout,
+                        local.requires_grad, local.shape, local.is_pinned(), value.placements,
+                        value.device_mesh))
         elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
             return None
         else:
-            out.append(fqn)
+            out.append(name)
     return tuple(out)
 
 
@@ -69,7 +74,7 @@ class ReusingPlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
                        is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        key = structure(self.state_dict)
+        key = structure(self.state_dict, self.mappings if self.flatten_state_dict else None)
         key = None if key is None else (is_coordinator, *key)
         self._hit = key is not None and key == self._key
         if self._hit:  # this save's key and flattening: garbage now, not at the save's end
