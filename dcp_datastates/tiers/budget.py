@@ -7,7 +7,8 @@ yet slow the training steps (GIL, memory bandwidth) without waiting anywhere. :c
 measures that slowdown on the intervals between ``save()`` calls (a step, or N steps): against
 a baseline, the median of the recent *quiet* intervals (no save in flight), an interval that a
 save in flight overlaps is charged ``interval - baseline``, at most the time the save ran in
-it. Until a quiet interval gives a baseline (the first save's), those intervals are kept,
+it, less where it is shorter (a loop catching up). Until QUIET_MIN quiet intervals give a
+baseline (the first save's), those intervals are kept,
 earning nothing (conservative: no save but the first is paid for before the loop's pace is
 known), and are charged and earned on once it exists. The training time is the time between
 saves less all those costs.
@@ -42,6 +43,10 @@ log = logging.getLogger("dcp_datastates")
 NEWEST_WEIGHT = 0.5
 #: Quiet intervals whose median is the baseline of the loop's pace.
 QUIET_KEPT = 32
+#: Quiet intervals needed before the baseline is used: the first one after a save is often
+#: short (the loop catching up on work a save delayed), and alone it made every interval
+#: before it look slow (a first save was charged 0.4-0.6 s for +0.1 s of step time).
+QUIET_MIN = 3
 #: Why a save is skipped, by precedence (an all-reduce keeps the highest of the ranks').
 OVER_BUDGET, NO_SLOT, COPYING = 1, 2, 3
 #: What a rank says of another rank's reason.
@@ -75,7 +80,11 @@ class Account:
             self.credit = min(self.credit + self.fraction * max(0.0, training_s), self.expected)
 
     def spend(self, cost_s: float) -> None:
+        """Spend ``cost_s`` (negative: a slowdown charged before is paid back), keeping at
+        most one save's cost."""
         self.credit -= cost_s
+        if self.expected is not None:
+            self.credit = min(self.credit, self.expected)
 
     def guess(self, cost_s: float) -> None:
         """The first save's snapshot is over, its commit not yet: expect ``cost_s`` till then."""
@@ -133,12 +142,14 @@ class Drag:
         flights = [f for f in self._flying if f.done_at is None or f.done_at > start]
         if not flights:
             self._quiet.append(training_s)
-            pending, self._pending = [(training_s, 0.0, [])] + self._pending, []
+            if len(self._quiet) < QUIET_MIN:
+                return 0.0, training_s
+            pending, self._pending = self._pending + [(training_s, 0.0, [])], []
             charged = [(self._charge(*p), p[0]) for p in pending]
             return sum(c for c, _ in charged), sum(t - c for c, t in charged)
         ran = max(end if f.done_at is None else min(f.done_at, end) for f in flights) - start
         overlap = (training_s, max(0.0, ran - waited_s), [f.handle for f in flights])
-        if not self._quiet:
+        if len(self._quiet) < QUIET_MIN:
             self._pending.append(overlap)
             return 0.0, 0.0
         slowdown = self._charge(*overlap)
@@ -153,7 +164,11 @@ class Drag:
         return [f.handle for f in over]
 
     def _charge(self, training_s: float, ran_s: float, handles: list[SaveHandle]) -> float:
-        extra = min(max(0.0, training_s - statistics.median(self._quiet)), ran_s)
+        """Charge an interval's excess over the baseline (at most ``ran_s``; negative where it
+        is shorter, so a save's charge is its net slowdown) to ``handles``."""
+        if not handles:
+            return 0.0
+        extra = min(training_s - statistics.median(self._quiet), ran_s)
         for handle in handles:
             handle.figures.cost_s += extra / len(handles)
         return extra
@@ -246,6 +261,7 @@ class Budget:
             self.account.guess(handle.figures.cost_s)
             self._open = None
         for handle in self.drag.over(now):
+            handle.figures.cost_s = max(0.0, handle.figures.cost_s)  # a net gain is no cost
             self.account.settle(handle.figures.cost_s)
 
     def _end_call(self, open_figures: bool) -> None:
