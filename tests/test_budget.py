@@ -269,3 +269,22 @@ def test_a_pause_while_a_commit_runs_is_charged_only_the_time_it_ran(clock: Fake
     clock.now += 3600.0
     budget.decide(3, None, None)
     assert second.figures.cost_s == pytest.approx(0.3)
+
+
+def test_a_loop_catching_up_after_a_save_is_no_slowdown(clock: FakeClock) -> None:
+    """A save delays where in the step the next save() calls come (the training thread issued
+    its work later) but no step is slower: the intervals between calls go 0.26 and 0.2 s while
+    it runs, then 0.14 s as the loop catches up, then 0.2 s again. The save is charged its
+    call only, not the intervals' ups against the short one that follows them."""
+    budget = Budget(0.05, clock, Ranks(0, 1, None), [])
+    save = SaveHandle(0, Future(), Future())
+    assert budget.decide(0, None, None) is None
+    clock.now += 0.01
+    budget.taken(save)
+    save.staged.set_result(None)
+    for step, interval in enumerate([0.26, 0.2, 0.14, 0.2, 0.2, 0.2], start=1):
+        clock.now += interval
+        if step == 2:
+            save.committed.set_result(None)  # the commit ends; the loop catches up next
+        budget.decide(step, None, None)
+    assert save.figures.cost_s == pytest.approx(0.01)

@@ -122,13 +122,16 @@ class Drag:
     """How much the saves in flight slow the loop: each interval between ``save()`` calls
     that a save in flight overlaps is charged its excess over the baseline (the median of
     the last QUIET_KEPT quiet intervals), at most the time the saves ran in it (less the
-    guard's waits, charged apart), shared among the saves it overlaps."""
+    guard's waits, charged apart), shared among the saves it overlaps. An interval shorter
+    than the baseline counts against them, as does the one right after their commits (the
+    loop catching up on work they delayed; not a quiet interval)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self._quiet: deque[float] = deque(maxlen=QUIET_KEPT)
         self._flying: list[_Flight] = []
         self._pending: list[tuple[float, float, list[SaveHandle]]] = []  # before a baseline
+        self._landed: list[SaveHandle] = []  # commits done in the last interval
 
     def track(self, handle: SaveHandle) -> None:
         """``handle`` was taken: it is in flight until its memory commit is done."""
@@ -140,6 +143,10 @@ class Drag:
         waits): the slowdown to charge now and the training time it leaves to earn on (an
         interval kept for want of a baseline earns nothing until one exists)."""
         flights = [f for f in self._flying if f.done_at is None or f.done_at > start]
+        landed, self._landed = self._landed, [f.handle for f in flights
+                                              if f.done_at is not None and f.done_at <= end]
+        if not flights and landed:
+            return self._overlap((training_s, 0.0, landed))  # only shorter counts: ran 0
         if not flights:
             self._quiet.append(training_s)
             if len(self._quiet) < QUIET_MIN:
@@ -148,20 +155,23 @@ class Drag:
             charged = [(self._charge(*p), p[0]) for p in pending]
             return sum(c for c, _ in charged), sum(t - c for c, t in charged)
         ran = max(end if f.done_at is None else min(f.done_at, end) for f in flights) - start
-        overlap = (training_s, max(0.0, ran - waited_s), [f.handle for f in flights])
-        if len(self._quiet) < QUIET_MIN:
-            self._pending.append(overlap)
-            return 0.0, 0.0
-        slowdown = self._charge(*overlap)
-        return slowdown, training_s - slowdown
+        return self._overlap((training_s, max(0.0, ran - waited_s), [f.handle for f in flights]))
 
     def over(self, now: float) -> list[SaveHandle]:
         """The saves whose commit was done by ``now`` and whose slowdown is all charged."""
-        owed = {id(h) for p in self._pending for h in p[2]}
+        owed = {id(h) for p in self._pending for h in p[2]} | {id(h) for h in self._landed}
         over = [f for f in self._flying if f.done_at is not None and f.done_at <= now
                 and id(f.handle) not in owed]
         self._flying = [f for f in self._flying if f not in over]
         return [f.handle for f in over]
+
+    def _overlap(self, overlap: tuple[float, float, list[SaveHandle]]) -> tuple[float, float]:
+        """Charge an interval of saves (kept until there is a baseline)."""
+        if len(self._quiet) < QUIET_MIN:
+            self._pending.append(overlap)
+            return 0.0, 0.0
+        slowdown = self._charge(*overlap)
+        return slowdown, overlap[0] - slowdown
 
     def _charge(self, training_s: float, ran_s: float, handles: list[SaveHandle]) -> float:
         """Charge an interval's excess over the baseline (at most ``ran_s``; negative where it
