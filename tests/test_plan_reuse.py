@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import MARKS, Tiers, assert_state_equal, load_into, rand_tensor
 from test_tiers import make_state
-from test_tiers_hostile import FailFsync
+from test_tiers_hostile import FailFsync, save_through
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_datastates import CheckpointManager, DataStatesReader, Engine
@@ -136,15 +136,7 @@ def test_a_failed_save_does_not_break_the_next(tiers: Tiers) -> None:
             for step in range(1, 7):
                 state = make_state(step, big=4096 if step >= 4 else 0)
                 io.failing = step in (2, 4)
-                handle = manager.save(step, state)
-                if io.failing:
-                    with pytest.raises(OSError, match="injected EIO"):
-                        handle.result(timeout=30)
-                    with pytest.raises(OSError, match="injected EIO"):
-                        manager.wait()
-                else:
-                    handle.result(timeout=30)
-                    manager.wait()
+                if save_through(manager, io, step, state):
                     good[step] = state
                 assert planner.state_dict == {} and planner.metadata is None
             io.failing = False

@@ -177,6 +177,21 @@ def test_slot_reuse_with_layouts_that_change(tiers: Tiers, engine: Engine,
 
 
 # -- a save that fails after its slot became the data file --------------------------------------
+def save_through(manager: CheckpointManager, io: FailFsync, step: int, state: dict) -> bool:
+    """Save ``state`` at ``step`` and wait for it and the manager; while ``io`` is failing
+    both raise the injected error. Whether the save was committed."""
+    handle = manager.save(step, state)
+    if io.failing:
+        with pytest.raises(OSError, match="injected EIO"):
+            handle.result(timeout=30)
+        with pytest.raises(OSError, match="injected EIO"):
+            manager.wait()
+        return False
+    handle.result(timeout=30)
+    manager.wait()
+    return True
+
+
 class FailFsync:
     """An IOBackend over a real one whose fsyncs of files under ``prefix`` fail while
     ``failing`` is set."""
@@ -221,15 +236,7 @@ def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:
             for step in range(1, 11):
                 state = make_state(step, big=MiB)
                 io.failing = step % 3 == 0
-                handle = manager.save(step, state)
-                if io.failing:
-                    with pytest.raises(OSError, match="injected EIO"):
-                        handle.result(timeout=30)
-                    with pytest.raises(OSError, match="injected EIO"):
-                        manager.wait()
-                else:
-                    handle.result(timeout=30)
-                    manager.wait()
+                if save_through(manager, io, step, state):
                     good[step] = state
                 files = [p for p in tiers.memory.rglob("*")
                          if p.is_file() and (p.name.startswith("slot_")
