@@ -6,7 +6,6 @@ import errno
 import gc
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from conftest import (
     load_into,
     raises_in_dcp,
     rand_tensor,
+    run_then_kill,
     save,
 )
 from torch.distributed.checkpoint.api import CheckpointException
@@ -79,24 +79,10 @@ _CHILD = textwrap.dedent(
 
 
 def _kill_mid_save(directory: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD.format(tests=str(TESTS)), str(directory)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
-    )
-    try:
-        line = child.stdout.readline()  # blocks until the first data write starts
-        assert line.startswith("WRITING"), (line, child.stderr.read() if child.poll() else "")
-        assert any(directory.glob("*.safetensors")), "a partial data file should exist by now"
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(30) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdout.close()
-        child.stderr.close()
+    """SIGKILL a child process as its save's first data write starts."""
+    run_then_kill([sys.executable, "-c", _CHILD.format(tests=str(TESTS)), str(directory)],
+                  "WRITING", directory.parent / f"{directory.name}.stderr", ROOT)
+    assert any(directory.glob("*.safetensors")), "a partial data file should exist by now"
 
 
 def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path: Path, make_writer) -> None:
