@@ -1,20 +1,24 @@
-"""First-save stall (issue 17, point 4): how long the first ``dcp.async_save`` of a process
-holds the training thread up, and the 2nd and 3rd saves for comparison.
+"""First-save stall (issue 17, point 4): how long the first save of a process holds the
+training thread up, and the 2nd and 3rd saves for comparison.
 
 A fresh process (nothing of dcp_datastates made before the first save), a bf16 state of
 ``--gib`` GiB on the GPU (square ``--dim`` tensors, the parameters of an SGD optimizer with
 ``dcp_datastates.guard`` on it), and a loop of ``--matmuls`` matmuls plus the optimizer step,
-each step ended by ``torch.cuda.synchronize()``. A save is the DCP idiom: a fresh default
-``DataStatesWriter()`` (the process's default engine) per ``dcp.async_save``. Per save, over
-the window from the call until the save is durable:
+each step ended by a synchronization of the training's stream (as ``loss.item()`` does; not
+of the checkpoint's side stream). ``--api dcp``: the DCP idiom, a fresh default
+``DataStatesWriter()`` (the process's default engine) per ``dcp.async_save``; ``--api
+manager``: one ``CheckpointManager`` (memory tier, slots prepared in the background once the
+baseline is measured). Per save, over the window from the call until the save is committed:
 
-- ``call_s``: the time ``dcp.async_save`` took to return;
+- ``call_s``: the time the save call took to return;
 - ``stall_s``: the longest step less the median step without checkpoints (goal <= 10 ms);
 - ``guard_s``: the longest ``optimizer.step()`` call less its median without checkpoints;
 - ``gap_s``: the longest time a sampler thread (polling every 1 ms) saw the main thread make no
-  progress, less the longest such time without checkpoints.
+  progress outside its waits for the GPU, less the longest such time without checkpoints, and
+  ``gap_where``: every thread's innermost frames at that time.
 
     python benchmarks/bench_first_save.py               # 8 GiB on the GPU, 3 saves
+    python benchmarks/bench_first_save.py --api manager
     python benchmarks/bench_first_save.py --cpu-smoke   # tiny, on CPU: checks the code paths
 
 JSON to ``benchmarks/out/bench_first_save.json``.
@@ -28,48 +32,70 @@ import json
 import logging
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
+import traceback
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesWriter, guard
+from dcp_datastates import CheckpointManager, DataStatesWriter, guard
 
 GOAL_S = 0.010
 OUT = Path(__file__).resolve().parent / "out" / "bench_first_save.json"
 
 
 class Sampler(threading.Thread):
-    """Polls every 1 ms whether the main thread made progress; keeps the longest time it did
-    not since the last :meth:`take`."""
+    """Polls every 1 ms whether the main thread made progress outside its waits for the GPU
+    (``waiting``); keeps the longest time it did not since the last :meth:`take`, and where
+    the main thread and the other threads were then (their innermost frames)."""
 
     def __init__(self) -> None:
         super().__init__(name="sampler", daemon=True)
         self.progress = 0
+        self.waiting = False
+        self._main = threading.main_thread().ident
         self._lock = threading.Lock()
-        self._longest = 0.0
+        self._longest, self._where = 0.0, {}
         self._done = threading.Event()
 
     def run(self) -> None:
         seen, since = self.progress, time.perf_counter()
         while not self._done.wait(0.001):
             now = time.perf_counter()
-            if self.progress != seen:
+            if self.progress != seen or self.waiting:
                 seen, since = self.progress, now
-            with self._lock:
-                self._longest = max(self._longest, now - since)
+            if now - since > max(self._longest, 0.005):
+                where = frames()
+                with self._lock:
+                    self._longest, self._where = now - since, where
 
-    def take(self) -> float:
+    def take(self) -> tuple[float, dict]:
         with self._lock:
-            longest, self._longest = self._longest, 0.0
-        return longest
+            taken = self._longest, self._where
+            self._longest, self._where = 0.0, {}
+        return taken
 
     def stop(self) -> None:
         self._done.set()
         self.join()
+
+
+def frames() -> dict[str, list[str]]:
+    """Each thread's three innermost frames (file:line function), by thread name."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = {}
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, str(ident))
+        if name == "sampler":
+            continue
+        out[name] = [f"{Path(f.filename).name}:{n} {f.name}"
+                     for f, n in traceback.walk_stack(frame)][:3]
+    return out
 
 
 class Loop:
@@ -105,8 +131,10 @@ class Loop:
         self.opt.step()
         t2 = time.perf_counter()
         self.sampler.progress += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        if self.device.type == "cuda":  # as loss.item() does: not the side streams
+            self.sampler.waiting = True
+            torch.cuda.current_stream().synchronize()
+            self.sampler.waiting = False
         self.sampler.progress += 1
         return time.perf_counter() - t0, t2 - t1
 
@@ -118,38 +146,73 @@ def baseline(loop: Loop, warmup: int, steps: int) -> dict:
     times = [loop.step() for _ in range(steps)]
     return {"median_step_s": statistics.median(t for t, _ in times),
             "median_opt_s": statistics.median(o for _, o in times),
-            "longest_step_s": max(t for t, _ in times), "longest_gap_s": loop.sampler.take()}
+            "longest_step_s": max(t for t, _ in times), "longest_gap_s": loop.sampler.take()[0]}
 
 
-def one_save(loop: Loop, k: int, folder: Path, base: dict, args: argparse.Namespace) -> dict:
-    """Save ``k`` with a fresh default writer; step until it is durable; its figures."""
+class Saver:
+    """Saves as a user does: the DCP idiom (a fresh default ``DataStatesWriter`` per
+    ``dcp.async_save``) or one ``CheckpointManager`` (memory tier only), made once the
+    baseline is measured, with ``guard`` on the optimizer."""
+
+    def __init__(self, api: str, folder: Path, loop: Loop) -> None:
+        self.api, self.folder, self.manager, self.writer = api, folder, None, None
+        t0 = time.perf_counter()
+        if api == "manager":
+            self.manager = CheckpointManager(memory_dir=folder / "memory", keep_memory=1,
+                                             persist=None)
+            self.manager.prepare(loop.state(0))  # in the background, as a user does at setup
+            guard(loop.opt, self.manager)
+        else:
+            guard(loop.opt)  # the process's engine of the moment (none yet)
+        self.setup_s = time.perf_counter() - t0
+
+    def save(self, k: int, state: dict) -> tuple[Future, Future]:
+        """Start save ``k``: (its staged, its committed) futures."""
+        if self.manager is not None:
+            handle = self.manager.save(k, state)
+            return handle.staged, handle.committed
+        self.writer = DataStatesWriter()
+        resp = dcp.async_save(state, checkpoint_id=self.folder / f"save{k}",
+                              storage_writer=self.writer, no_dist=True)
+        return resp.staging_completion, resp.upload_completion
+
+    def stats(self) -> dict | None:
+        if self.manager is not None:
+            return dataclasses.asdict(self.manager.history[-1]) if self.manager.history else None
+        stats = self.writer.last_stats()
+        return {k: v for k, v in dataclasses.asdict(stats).items() if k != "start"} \
+            if stats else None
+
+    def close(self, k: int) -> None:
+        if self.manager is None:
+            shutil.rmtree(self.folder / f"save{k}", ignore_errors=True)
+
+
+def one_save(loop: Loop, saver: Saver, k: int, base: dict, args: argparse.Namespace) -> dict:
+    """Save ``k``; step until it is committed; its figures."""
     loop.sampler.take()
-    writer = DataStatesWriter()
     t0 = time.perf_counter()
-    resp = dcp.async_save(loop.state(k), checkpoint_id=folder / f"save{k}",
-                          storage_writer=writer, no_dist=True)
+    staged, done = saver.save(k, loop.state(k))
     call_s = time.perf_counter() - t0
     loop.sampler.progress += 1
     times, staged_at = [], None
-    while len(times) < args.min_steps or not resp.upload_completion.done():
+    while len(times) < args.min_steps or not done.done():
         times.append(loop.step())
-        if staged_at is None and resp.staging_completion.done():
+        if staged_at is None and staged.done():
             staged_at = len(times)
         if len(times) >= args.max_steps:
             break
-    resp.upload_completion.result()
-    gap = loop.sampler.take()
-    shutil.rmtree(folder / f"save{k}", ignore_errors=True)
-    stats = writer.last_stats()
+    done.result()
+    gap, where = loop.sampler.take()
+    saver.close(k)
     longest = max(t for t, _ in times)
     return {
         "save": k, "call_s": call_s,
         "stall_s": max(0.0, longest - base["median_step_s"]),
         "guard_s": max(0.0, max(o for _, o in times) - base["median_opt_s"]),
-        "gap_s": max(0.0, gap - base["longest_gap_s"]),
-        "longest_step_s": longest, "steps": len(times), "staged_after_steps": staged_at,
-        "stats": {k: v for k, v in dataclasses.asdict(stats).items() if k != "start"}
-        if stats else None,
+        "gap_s": max(0.0, gap - base["longest_gap_s"]), "gap_where": where,
+        "longest_step_s": longest, "slowest_step": times.index(max(times)) + 1,
+        "steps": len(times), "staged_after_steps": staged_at, "stats": saver.stats(),
     }
 
 
@@ -157,7 +220,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=8.0)
     p.add_argument("--dim", type=int, default=8192)
-    p.add_argument("--matmuls", type=int, default=4)
+    p.add_argument("--api", choices=["dcp", "manager"], default="dcp",
+                   help="dcp: dcp.async_save with a fresh DataStatesWriter per save; manager: "
+                        "one CheckpointManager (memory tier)")
+    p.add_argument("--matmuls", type=int, default=120,
+                   help="matmuls per step (120: ~0.2 s on an H100, longer than the snapshot)")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--base-steps", type=int, default=30)
@@ -177,8 +244,10 @@ def main() -> None:
     folder = args.dir or Path(tempfile.mkdtemp(prefix="bench_first_save."))
     try:
         base = baseline(loop, args.warmup, args.base_steps)
-        guard(loop.opt)  # the process's engine of the moment (none yet)
-        saves = [one_save(loop, k, folder, base, args) for k in range(1, args.saves + 1)]
+        saver = Saver(args.api, folder, loop)
+        saves = [one_save(loop, saver, k, base, args) for k in range(1, args.saves + 1)]
+        if saver.manager is not None:
+            saver.manager.close()
     finally:
         loop.sampler.stop()
         if args.dir is None:
@@ -196,11 +265,15 @@ def report(args: argparse.Namespace, device: torch.device, nbytes: int, base: di
     print(f"{'save':>4} {'call ms':>8} {'stall ms':>9} {'guard ms':>9} {'gap ms':>7} "
           f"{'steps':>6} {'staged@':>8} {'durable s':>10}")
     for s in saves:
-        durable = (s["stats"] or {}).get("durable_s")
+        stats = s["stats"] or {}
+        durable = stats.get("durable_s", stats.get("memory_s"))
         print(f"{s['save']:>4} {s['call_s'] * 1e3:8.1f} {s['stall_s'] * 1e3:9.1f} "
               f"{s['guard_s'] * 1e3:9.1f} {s['gap_s'] * 1e3:7.1f} {s['steps']:>6} "
               f"{s['staged_after_steps']!s:>8} {durable or float('nan'):10.2f}")
     first = saves[0] if saves else None
+    if first and first["gap_where"]:
+        print("first save's longest gap: " + "; ".join(
+            f"{name}: {' < '.join(where)}" for name, where in first["gap_where"].items()))
     ok = first is not None and max(first["call_s"], first["stall_s"]) <= GOAL_S
     print(f"first save: call {first['call_s'] * 1e3:.1f} ms, stall "
           f"{first['stall_s'] * 1e3:.1f} ms: {'within' if ok else 'OVER'} the goal of "
