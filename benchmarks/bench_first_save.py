@@ -93,7 +93,7 @@ def frames() -> dict[str, list[str]]:
         name = names.get(ident, str(ident))
         if name == "sampler":
             continue
-        out[name] = [f"{Path(f.filename).name}:{n} {f.name}"
+        out[name] = [f"{Path(f.f_code.co_filename).name}:{n} {f.f_code.co_name}"
                      for f, n in traceback.walk_stack(frame)][:3]
     return out
 

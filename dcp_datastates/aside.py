@@ -11,6 +11,7 @@ cache once it is ready and then calls :meth:`Aside.free`.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,16 +51,19 @@ class Aside:
 
 
 def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
-          ready: dict[int, object] | None, gpu_headroom: float = GPU_HEADROOM) -> Aside:
+          ready: dict[int, object] | None, gpu_headroom: float = GPU_HEADROOM,
+          issued: Callable[[dict[int, object] | None], None] | None = None) -> Aside:
     """Copy ``sources`` aside (GPU copies after the ``ready`` events) and wait for the copies.
-    A GPU buffer is made where ``gpu_headroom`` of the device's memory stays free after it."""
+    A GPU buffer is made where ``gpu_headroom`` of the device's memory stays free after it.
+    ``issued``: as in :meth:`CudaCopier.copy`, for the copies on the GPU (made last: the
+    copies into pageable memory are over by then)."""
     places = _places(sources, cuda, gpu_headroom)
     offsets, sizes = _pack(sources, places)
     buffers = {p: torch.empty(n, dtype=torch.uint8,
                               device="cpu" if p == HOST else torch.device("cuda", p))
                for p, n in sizes.items()}
     aside = Aside([], buffers)
-    copies: dict[str, list[Copy]] = {"d2d": [], "d2h": []}
+    copies: dict[str, list[Copy]] = {"d2h": [], "d2d": []}
     for src, place, offset in zip(sources, places, offsets, strict=True):
         view = _view(buffers.get(place), offset, src)
         aside.views.append(view)
@@ -73,9 +77,10 @@ def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
             ctypes.memmove(view.data_ptr(), src.data_ptr(), n)
         else:
             view.copy_(src)
-    for kind, batch in copies.items():
-        if batch:
-            cuda.copy(batch, kind, after=ready)
+    if copies["d2h"]:
+        cuda.copy(copies["d2h"], "d2h", after=ready)
+    if copies["d2d"]:
+        cuda.copy(copies["d2d"], "d2d", after=ready, issued=issued)
     return aside
 
 

@@ -61,6 +61,40 @@ def test_first_save_on_gpu_waits_only_for_a_device_copy(tmp_path) -> None:
         engine.close()
 
 
+def test_guard_queues_step_behind_the_copy_aside_on_the_gpu(tmp_path) -> None:
+    """The first save's copy aside runs on the GPU behind the work queued before the save;
+    the guard queues the step behind it there and returns before it is done."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(2048, 2048, device="cuda")) for _ in range(4)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(params, lr=1.0)
+    slow = SlowArena()
+    engine = Engine(host_cache_size="1GiB", make_arena=slow)
+    writer = DataStatesWriter(engine=engine)
+    handle = guard(opt, writer)
+    try:
+        state = {f"p{i}": p for i, p in enumerate(params)}
+        saved = {k: v.detach().clone() for k, v in state.items()}
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time before the snapshot may copy
+        resp = dcp.async_save(state, checkpoint_id=tmp_path / "ck", no_dist=True,
+                              storage_writer=writer)
+        opt.step()
+        assert not writer.snapshot_copied(), "the guard waited for the copy aside on the CPU"
+        assert any(not torch.equal(saved[k], v) for k, v in state.items())  # after the copy
+        slow.gate.set()
+        resp.upload_completion.result(TIMEOUT)
+        out = {k: torch.zeros_like(v) for k, v in saved.items()}
+        dcp.load(out, checkpoint_id=tmp_path / "ck", no_dist=True,
+                 storage_reader=DataStatesReader(engine=engine))
+        _assert_same(out, saved)
+    finally:
+        handle.remove()
+        slow.gate.set()
+        engine.close()
+
+
 @pytest.mark.parametrize("headroom", [0.0, 1.0], ids=["gpu-buffer", "pageable"])
 def test_stash_gpu_sources(headroom: float) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)

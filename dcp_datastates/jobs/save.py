@@ -155,7 +155,8 @@ class SaveJob:
         ``move(plan, None)`` on the arena thread: into the target once it is sized there, or
         into the host cache once it is made there."""
         try:
-            aside = stash(plan.sources, self.engine.cuda, plan.ready)
+            aside = stash(plan.sources, self.engine.cuda, plan.ready,
+                          issued=self.copied.publish)
         finally:
             self._done_with_events(plan)
         plan.sources.clear()
@@ -187,7 +188,7 @@ class SaveJob:
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, self.stats.copy_s = copy_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
-                plan.dtensors, self.copied.publish)
+                plan.dtensors, None if self.copied.is_set() else self.copied.publish)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
