@@ -25,9 +25,10 @@ from conftest import (
     run_then_kill,
 )
 from fakes import HeldPinEngine
-from test_tiers import ROOT, TESTS, make_state, steps_in
+from test_tiers import ROOT, TESTS, HoldWrites, make_state, steps_in
 
-from dcp_datastates import CheckpointManager
+from dcp_datastates import CheckpointManager, Engine
+from dcp_datastates.io import ThreadPoolBackend
 
 MiB = 1 << 20
 
@@ -50,6 +51,12 @@ def held() -> Iterator[HeldPinEngine]:
 def slot_files(memory: Path) -> dict[Path, int]:
     """The slot files of every slot directory of ``memory``, and their inodes."""
     return {p: p.stat().st_ino for p in memory.glob(".slots.*/slot_*")}
+
+
+def tier_files(memory: Path) -> set[int]:
+    """The inodes of the memory tier's slot files, free or a step's data file."""
+    steps = [p for p in memory.glob("step_*/*.safetensors")]
+    return {p.stat().st_ino for p in [*slot_files(memory), *steps]}
 
 
 def in_use_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -228,3 +235,42 @@ def test_restart_with_a_larger_state_resizes_the_adopted_slots(tiers: Tiers,
             assert manager.load(out) == step
             assert_state_equal(out, state)
     assert steps_in(tiers.memory) == [5]
+
+
+# -- every slot in use ---------------------------------------------------------------------------
+def test_a_save_with_every_slot_in_use_waits_aside_for_the_next_one(
+        tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
+    """Commits held back keep every slot (keep_memory=1: 4 of them): the fifth and sixth
+    saves' snapshots are copied aside at once (the sources may change after it), then go into
+    the first slots to come free once the commits go on; no slot file beyond the four, none
+    through the engine's host cache, logged once; the newest step loads exactly."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
+    made = Engine(io_backend=hold, host_cache_size="8MiB", io_workers=2)
+    states = {s: make_state(s, big=MiB + 3) for s in range(1, 7)}
+    try:
+        with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                               engine=made) as manager:
+            try:
+                handles = [manager.save(s, states[s]) for s in range(1, 7)]
+                manager.wait_for_snapshots()
+                states[6]["model"]["w"].add_(1.0)  # after its copy aside
+                states[6]["big"].add_(1)
+                assert not any(h.committed.done() for h in handles)
+                assert len(tier_files(tiers.memory)) == 4
+            finally:  # a failed assertion must not leave close() waiting for held writes
+                hold.gate.set()
+            for handle in handles:
+                handle.result(timeout=30)
+            assert len(tier_files(tiers.memory)) <= 4
+            assert made.cache_bytes() == 2 * MiB, "bounce buffers only: no snapshot cache"
+            out = blank_like(states[6])
+            assert manager.load(out, step=6) == 6
+            assert_state_equal(out, make_state(6, big=MiB + 3))
+        assert len(in_use_warnings(caplog)) == 1
+        assert any("waits aside for the next free slot" in m for m in in_use_warnings(caplog))
+    finally:
+        hold.gate.set()
+        leases = made.live_leases()
+        made.close()
+    assert leases == 0

@@ -173,7 +173,7 @@ class CheckpointManager:
             self._retention.set_aside(self._rollback)
             self._taken = {s for s in self._taken if s <= self._rollback}
             self._rollback = None
-        slot = self._slots.take(warn=self._budget is None) if self._slots is not None else None
+        slot = self._slots.take(later=self._budget is None) if self._slots is not None else None
         if self._budget is not None:
             skipped = self._budget.decide(step, self._slots, slot)
             if skipped is not None:

@@ -28,7 +28,7 @@ from .handles import SaveFigures, SaveHandle, TierFullError, failed_handle
 from .plans import ReusingPlanner
 from .ranks import Ranks
 from .retention import Retention
-from .slots import Slot, SlotPool
+from .slots import NextSlot, Slot, SlotPool
 from .steps import TierRecord, size_of, step_dir, steps
 
 log = logging.getLogger("dcp_datastates")
@@ -57,7 +57,8 @@ class MemorySaver:
         #: plans the saves (one at a time, on the upload thread), reusing the last plans
         self.planner = ReusingPlanner()
 
-    def start(self, step: int, state: dict, start: float, slot: Slot | None) -> SaveHandle:
+    def start(self, step: int, state: dict, start: float,
+              slot: Slot | NextSlot | None) -> SaveHandle:
         """Start the save of ``state`` (plain: no ``Stateful``) at ``step``; a save that cannot
         start fails its handle (logged) and leaves nothing."""
         directory = step_dir(self.memory, step)
@@ -121,7 +122,8 @@ class MemorySaver:
         used += self.slots.free_bytes() if self.slots is not None else 0
         return max(0, min(free, self.limit - used - reused))
 
-    def after_commit(self, handle: SaveHandle, start: float, slot: Slot | None) -> None:
+    def after_commit(self, handle: SaveHandle, start: float,
+                     slot: Slot | NextSlot | None) -> None:
         """In save order: the slot, the figures, the memory tier's retention, the replica."""
         ok = handle.committed.exception() is None
         if slot is not None:

@@ -12,6 +12,8 @@ removed it) is unmapped and forgotten.
 Pinning (seconds per GiB) never delays a save: a slot is mapped unpinned, and the pool's
 pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save takes a pinned
 free slot if there is one, else an unpinned one (its snapshot is copied at pageable speed).
+A save taken while every slot is in use gets the next one to come free (:class:`NextSlot`):
+its snapshot waits aside meanwhile, as one into a slot not pinned yet does.
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
 manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
@@ -37,6 +39,8 @@ from .slot_pinning import Background
 log = logging.getLogger("dcp_datastates")
 
 SLOT_DIR_PREFIX = ".slots."
+#: How long a save taken while every slot is in use waits for one (then it is copied).
+SLOT_WAIT_S = 300.0
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (names are rarely longer).
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 512
 
@@ -117,6 +121,37 @@ class Slot:
             self.fd = -1
 
 
+class NextSlot:
+    """The next slot of ``pool`` to come free, for a save taken while every slot is in use: a
+    snapshot target that is not ready (the job copies the snapshot aside at once, and moves
+    it in on the engine's arena thread, where :meth:`lease` waits for the slot)."""
+
+    pinned = False  # never ready at the save's call: the snapshot waits aside
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self.slot: Slot | None = None  # once a slot came free
+
+    def __str__(self) -> str:
+        return "the next memory-tier slot to come free"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a slot of the pool takes on the tier (the save reuses one)."""
+        return self.pool.slot_bytes()
+
+    def lease(self, total: int, entries: int) -> Lease | None:
+        """Wait for a free slot; its lease (see :meth:`Slot.lease`)."""
+        self.slot = self.pool.wait_free()
+        return self.slot.lease(total, entries)
+
+    def need_room(self, header_len: int) -> None:
+        self.slot.need_room(header_len)
+
+    def adopt(self, path: Path) -> Path:
+        return self.slot.adopt(path)
+
+
 class SlotPool:
     """A memory tier's slots: ``limit`` at most, free or holding a step's data file; free ones
     are sized (after :meth:`prepare`) and pinned by a thread of the pool's, one at a time."""
@@ -132,31 +167,55 @@ class SlotPool:
         self._count = 0  # slots mapped now
         self._names = itertools.count()
         self._lock = threading.Lock()
-        self._readied = threading.Condition(self._lock)  # a slot left _readying
+        self._changed = threading.Condition(self._lock)  # a slot left _readying, came free
         self._warned = self._failed = self._closed = False
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
 
-    def take(self, warn: bool = True) -> Slot | None:
+    def take(self, later: bool = False) -> Slot | NextSlot | None:
         """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
-        exist); None when all are in use (logged once, with ``warn``: the save is copied into
-        the tier instead)."""
+        exist). When all are in use: None, or with ``later`` the next one to come free
+        (logged once: the save's snapshot waits aside, on the GPU where it has room)."""
         with self._lock:
-            if self._free:
-                slot = max(reversed(self._free), key=lambda s: (s.pinned, s.fd >= 0))
-                self._free.remove(slot)
-            elif self._count < self.limit:
-                slot = Slot(self, next(self._names))
-                self._count += 1
-            else:
-                if warn and not self._warned:
-                    log.warning("dcp_datastates: all %d memory-tier slots are in use; this save "
-                                "(and any other while they are) is copied into the tier "
-                                "instead of snapshotted into it (slower)", self.limit)
-                    self._warned = True
-                return None
+            slot = self._take()
+        if slot is not None or not later:
             return slot
+        if not self._warned:
+            log.warning("dcp_datastates: all %d memory-tier slots are in use (earlier saves "
+                        "are still being committed or persisted); this save (and any other "
+                        "while they are) waits aside for the next free slot", self.limit)
+            self._warned = True
+        return NextSlot(self)
+
+    def wait_free(self, timeout: float = SLOT_WAIT_S) -> Slot:
+        """A free slot, once there is one (see :meth:`take`); RuntimeError if the pool closes
+        or none comes free within ``timeout`` seconds (the save then goes through the
+        engine's host cache)."""
+        with self._lock:
+            if not self._changed.wait_for(lambda: self._closed or self._free
+                                          or self._count < self.limit, timeout):
+                raise RuntimeError(f"no slot of {self.directory} came free in {timeout:.0f} s")
+            if self._closed:
+                raise RuntimeError(f"the memory-tier slots of {self.directory} are closed")
+            return self._take()
+
+    def _take(self) -> Slot | None:
+        if self._free:
+            slot = max(reversed(self._free), key=lambda s: (s.pinned, s.fd >= 0))
+            self._free.remove(slot)
+        elif self._count < self.limit:
+            slot = Slot(self, next(self._names))
+            self._count += 1
+        else:
+            return None
+        return slot
+
+    def slot_bytes(self) -> int:
+        """Bytes the largest slot takes on the tier."""
+        with self._lock:
+            slots = [*self._free, *self._readying, *self._held.values()]
+        return max((s.nbytes for s in slots), default=0)
 
     def prepare(self, total: int, entries: int, wait: bool = False) -> None:
         """Make every slot now; the pool's thread sizes each for ``total`` bytes of
@@ -172,7 +231,7 @@ class SlotPool:
             while self._ready_one():
                 pass
             with self._lock:
-                self._readied.wait_for(lambda: not self._readying)
+                self._changed.wait_for(lambda: not self._readying)
 
     def _ready_one(self) -> bool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
@@ -201,7 +260,7 @@ class SlotPool:
                 closed = self._closed
                 if not closed:
                     self._free.append(slot)
-                self._readied.notify_all()
+                self._changed.notify_all()
         if closed:  # the pool closed meanwhile (a prepare(wait=True) was helping)
             self._forget(slot)
         return True
@@ -212,9 +271,13 @@ class SlotPool:
             free = [*self._free, *self._readying]
             return sum(s.nbytes for s in free)
 
-    def settle(self, slot: Slot, directory: Path, committed: bool) -> None:
+    def settle(self, slot: Slot | NextSlot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
         it), held by the step ``directory`` (committed there), or lost (a failed save)."""
+        if isinstance(slot, NextSlot):
+            if slot.slot is None:  # the save ended before a slot came free
+                return
+            slot = slot.slot
         replaced = None
         with self._lock:
             if committed:  # a step saved again: the file it held was replaced (removed)
@@ -227,6 +290,7 @@ class SlotPool:
             free = slot.path == slot.home
             if free:
                 self._free.append(slot)
+                self._changed.notify_all()
             elif committed and slot.path.parent == directory and slot.path.exists():
                 self._held[directory] = slot
                 return
@@ -250,12 +314,14 @@ class SlotPool:
             return
         with self._lock:
             self._free.append(slot)
+            self._changed.notify_all()
         if not slot.pinned:
             self._thread.wake()
 
     def _forget(self, slot: Slot) -> None:
         with self._lock:
             self._count -= 1
+            self._changed.notify_all()
         slot.close()
         if slot.path == slot.home:
             slot.home.unlink(missing_ok=True)
@@ -265,6 +331,7 @@ class SlotPool:
         steps' data files)."""
         with self._lock:
             self._closed = True  # a slot being readied now is forgotten by its reader
+            self._changed.notify_all()
         self._thread.close()
         with self._lock:
             slots = [*self._free, *self._held.values()]
