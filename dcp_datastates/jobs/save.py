@@ -186,7 +186,7 @@ class SaveJob:
                 return
             held = lease if lease is not None else self.hold(self.reserve(plan.total))
             snapshot = self.snapshot = Snapshot(held, plan.placements, lease is not None,
-                                                sums=snapshot_sums(self.engine, held, plan))
+                                                sums=_snapshot_sums(self.engine, held, plan))
             staged, snapshot.overflow, self.stats.copy_s = copy_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
                 plan.dtensors, self.copied.publish, snapshot.sums and snapshot.sums.landed)
@@ -332,7 +332,7 @@ class SaveJob:
             claim.release()
 
 
-def snapshot_sums(engine: Engine, lease: Lease | None, plan: _Plan) -> SnapshotSums | None:
+def _snapshot_sums(engine: Engine, lease: Lease | None, plan: _Plan) -> SnapshotSums | None:
     """The checksums of a snapshot copied into ``lease``, taken as its copies land."""
     if lease is None:
         return None
