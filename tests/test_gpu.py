@@ -238,3 +238,77 @@ def test_manager_snapshots_every_step_into_pinned_slots(tmp_path, engine_of) -> 
         assert sorted(p.name for p in memory.iterdir()) == ["step_5", "step_6"]
     finally:
         shutil.rmtree(memory, ignore_errors=True)
+
+
+def test_copier_hands_each_group_of_copies_on_as_it_lands() -> None:
+    """``CudaCopier.copy(landed=...)``: every copy's index once, in order, each group's bytes
+    on the host when it is handed on (more than one group: over LANDED_BYTES in all)."""
+    copier = cuda_copy.CudaCopier()
+    n = cuda_copy.LANDED_BYTES // 3 + 4097
+    sources = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda") for _ in range(5)]
+    hosts = [torch.empty(n, dtype=torch.uint8).pin_memory() for _ in sources]
+    torch.cuda.synchronize()
+    copies = [(0, h.data_ptr(), s.data_ptr(), n) for h, s in zip(hosts, sources, strict=True)]
+    groups: list[list[int]] = []
+
+    def landed(indices: list[int]) -> None:
+        groups.append(indices)
+        for k in indices:
+            assert torch.equal(hosts[k], sources[k].cpu()), k
+
+    try:
+        assert copier.copy(copies, "d2h", landed=landed) > 0
+    finally:
+        copier.close()
+    assert len(groups) > 1 and [k for g in groups for k in g] == list(range(len(copies)))
+
+
+def test_copier_settles_every_copy_before_raising_what_landed_raised() -> None:
+    copier = cuda_copy.CudaCopier()
+    n = cuda_copy.LANDED_BYTES // 2 + 1
+    sources = [torch.full((n,), k + 1, dtype=torch.uint8, device="cuda") for k in range(4)]
+    hosts = [torch.zeros(n, dtype=torch.uint8).pin_memory() for _ in sources]
+    torch.cuda.synchronize()
+    copies = [(0, h.data_ptr(), s.data_ptr(), n) for h, s in zip(hosts, sources, strict=True)]
+    calls: list[list[int]] = []
+
+    def landed(indices: list[int]) -> None:
+        calls.append(indices)
+        raise ValueError("landed failed")
+
+    try:
+        with pytest.raises(ValueError, match="landed failed"):
+            copier.copy(copies, "d2h", landed=landed)
+    finally:
+        copier.close()
+    assert len(calls) == 1, "landed is not called again once it raised"
+    assert all(bool((h == k + 1).all()) for k, h in enumerate(hosts)), "a copy was left"
+
+
+def test_memory_tier_save_takes_its_checksums_as_the_copies_land(tiers) -> None:
+    """A CUDA state through the memory tier: the file's checksums are its bytes', the tensors'
+    were started on the staging thread (as the copies landed), and it loads back bit-exact."""
+    from test_sums import CountingEngine, assert_file_checksums
+
+    from dcp_datastates import CheckpointManager
+
+    state = gpu_state(4)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for name in ("huge_a", "huge_b"):  # more than one group of copies
+        state[name] = torch.randint(0, 255, (160 << 20,), dtype=torch.uint8, device="cuda",
+                                    generator=gen)
+    engine = CountingEngine()
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                               engine=engine) as manager:
+            manager.prepare(state)
+            for step in (1, 2):
+                manager.save(step, state).committed.result(timeout=120)
+                assert_file_checksums(tiers.memory / f"step_{step}")
+            assert engine.started_by(staging=True) >= 2
+            out = fresh_like(state)
+            assert manager.load(out, step=2) == 2
+            assert_same(out, state)
+        assert engine.live_leases() == 0
+    finally:
+        engine.close()
