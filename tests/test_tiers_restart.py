@@ -257,7 +257,6 @@ def test_a_save_with_every_slot_in_use_waits_aside_for_the_next_one(
                 states[6]["model"]["w"].add_(1.0)  # after its copy aside
                 states[6]["big"].add_(1)
                 assert not any(h.committed.done() for h in handles)
-                assert len(tier_files(tiers.memory)) == 4
             finally:  # a failed assertion must not leave close() waiting for held writes
                 hold.gate.set()
             for handle in handles:
