@@ -261,6 +261,7 @@ def test_a_save_with_every_slot_in_use_waits_aside_for_the_next_one(
                 hold.gate.set()
             for handle in handles:
                 handle.result(timeout=30)
+            manager.wait()  # retention after the commits too
             assert len(tier_files(tiers.memory)) <= 4
             assert made.cache_bytes() == 2 * MiB, "bounce buffers only: no snapshot cache"
             out = blank_like(states[6])
