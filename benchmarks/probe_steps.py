@@ -11,7 +11,7 @@ sampled every 2 ms), and which checkpoint phases ran meanwhile (snapshot, commit
 
 Variants: ``base`` (bench_training's tiers: every 10 steps, persist "idle", device-wide sync
 per step); ``nopersist`` (persist=None); ``nice`` (the library's threads reniced to 19);
-``hash4`` (4 hash threads); ``stream`` (steps synced on the compute stream only, as
+``hash4``/``hash8`` (4/8 hash threads); ``stream`` (steps synced on the compute stream only, as
 ``loss.item()`` does); ``every1`` (a save every step); ``budget`` (a save every step,
 ``max_overhead=0.05``, the budget's account printed per step).
 """
@@ -19,6 +19,7 @@ per step); ``nopersist`` (persist=None); ``nice`` (the library's threads reniced
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -46,6 +47,9 @@ def args() -> argparse.Namespace:
     ap.add_argument("--dir", default="/tmp/probe_steps")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--stream-sync", action="store_true",
+                    help="every variant syncs the compute stream only (as loss.item() does)")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once set up")
     a = ap.parse_args()
     a.layers, a.dim, a.heads, a.vocab, a.seq, a.batch = 20, 2048, 16, 32000, 1024, 16
     a.fp32 = False
@@ -110,10 +114,11 @@ def run_variant(tr: bt.Trainer, a: argparse.Namespace, name: str, sampler: Sampl
     nbytes = state_bytes(state)
     engine = Engine(host_cache_size=nbytes + (512 << 20))
     engine.reserve(nbytes).release()
-    if name == "hash4":
+    if name in ("hash4", "hash8"):
+        workers = int(name[4:])
         engine.hash_pool.shutdown()
-        engine.hash_pool = ThreadPoolExecutor(4, thread_name_prefix="dcp_datastates-hash")
-        engine.hash_workers = 4
+        engine.hash_pool = ThreadPoolExecutor(workers, thread_name_prefix="dcp_datastates-hash")
+        engine.hash_workers = workers
     shutil.rmtree(MEM, ignore_errors=True)
     shutil.rmtree(a.dir, ignore_errors=True)
     manager = CheckpointManager(Path(a.dir) / "durable", memory_dir=MEM, keep_memory=2,
@@ -132,7 +137,7 @@ def run_variant(tr: bt.Trainer, a: argparse.Namespace, name: str, sampler: Sampl
     def sync() -> None:
         if not cuda:
             return
-        if name == "stream":
+        if name == "stream" or a.stream_sync:
             torch.cuda.current_stream().synchronize()
         else:
             torch.cuda.synchronize()
@@ -225,6 +230,9 @@ def main() -> None:
     a = args()
     device = "cuda" if torch.cuda.is_available() and not a.cpu_smoke else "cpu"
     tr = bt.Trainer(a, device)
+    if a.gc_freeze:
+        tr.step()  # the optimizer's state
+        gc.freeze()
     sampler = Sampler()
     out = {}
     for name in a.variants.split(","):
