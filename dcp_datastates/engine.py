@@ -83,8 +83,7 @@ class Engine:
             or a backend object (tests inject fakes); the engine closes only a backend it made.
         io_workers: threads that keep flush and restore I/O in flight. The checksums of
             saves are computed on threads of their own, one per CPU core the process may run
-            on (``hash_workers``), at least ``io_workers``; a snapshot's, taken as its
-            copies land while training runs, on half as many (``beside_workers``).
+            on (``hash_workers``), at least ``io_workers``.
 
         make_arena: how host memory is mapped, ``(nbytes, name) -> Arena`` (tests inject
             slow or failing fakes).
@@ -121,16 +120,9 @@ class Engine:
         self.stage_pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
         self.io_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-io")
         # checksums: never queued behind long writes (a persist's) on the I/O threads
-        cores = len(os.sched_getaffinity(0))
-        self.hash_workers = max(io_workers, cores)
+        self.hash_workers = max(io_workers, len(os.sched_getaffinity(0)))
         self.hash_pool = ThreadPoolExecutor(self.hash_workers,
                                             thread_name_prefix="dcp_datastates-hash")
-        # checksums taken while training runs (a snapshot's, as its copies land): half the
-        # cores, or the training thread's launches wait (every core hashing held them up 150
-        # ms instead of 25 on an H100 host: benchmarks/probe_steps.py, variant hash8)
-        self.beside_workers = max(1, cores // 2)
-        self.beside_pool = ThreadPoolExecutor(self.beside_workers,
-                                              thread_name_prefix="dcp_datastates-hash-beside")
         self.io_workers = io_workers
         self._arenas = Arenas(Pinning(self.io, self.cuda, make_arena), self.fixed_size,
                               self.check_open)
@@ -279,11 +271,10 @@ class Engine:
         self.check_open()
         return self.io_pool.submit(fn, *args)
 
-    def compute(self, fn: Callable, *args: object, beside: bool = False):
-        """Run ``fn(*args)`` on the checksum threads (``beside``: on those that run beside
-        training, half the cores)."""
+    def compute(self, fn: Callable, *args: object):
+        """Run ``fn(*args)`` on the checksum threads."""
         self.check_open()
-        return (self.beside_pool if beside else self.hash_pool).submit(fn, *args)
+        return self.hash_pool.submit(fn, *args)
 
     # -- lifetime -------------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -310,7 +301,6 @@ class Engine:
         self.stage_pool.shutdown(wait=True)
         self.io_pool.shutdown(wait=True)
         self.hash_pool.shutdown(wait=True)
-        self.beside_pool.shutdown(wait=True)
         self._arenas.close()
         if self.cuda is not None:
             self.cuda.close()

@@ -41,12 +41,12 @@ class CountingEngine(Engine):
         self.tasks: list[tuple[str, Future]] = []
         self._tasks_lock = threading.Lock()
 
-    def compute(self, fn, *args, beside=False):
+    def compute(self, fn, *args):
         def run():
             time.sleep(self.delay_s)
             return fn(*args)
 
-        task = super().compute(run, beside=beside)
+        task = super().compute(run)
         with self._tasks_lock:
             self.tasks.append((threading.current_thread().name, task))
         return task

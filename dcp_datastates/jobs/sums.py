@@ -33,19 +33,19 @@ class Sums:
     """Per-block checksums of keyed items in flight on the checksum threads: the items' blocks
     are dealt out in tasks of about equal bytes, one large item over many threads."""
 
-    def __init__(self, engine: Engine, beside: bool = False) -> None:
-        self.engine, self.beside = engine, beside  # beside: on the threads beside training
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self._tasks: list[Future] = []
         self._parts: dict[Hashable, list[tuple[Future, int]]] = {}  # key -> (task, piece)
 
     def start(self, keys: list[Hashable], regions: list[tuple[int, int]]) -> None:
         """Start the checksums of memory ``regions`` (address, bytes), the items ``keys``."""
         total = sum(n for _, n in regions)
-        workers = self.engine.beside_workers if self.beside else self.engine.hash_workers
+        workers = self.engine.hash_workers
         share = max(_SUM_BYTES, round_up(-(-total // (_TASKS_PER_THREAD * workers)),
                                          BLOCK_BYTES))
         for pieces in deal_blocks(regions, share):
-            task = self.engine.compute(_sum_pieces, pieces, beside=self.beside)
+            task = self.engine.compute(_sum_pieces, pieces)
             self._tasks.append(task)
             for at, (k, _, _) in enumerate(pieces):
                 self._parts.setdefault(keys[k], []).append((task, at))
@@ -72,7 +72,7 @@ class SnapshotSums:
 
     def __init__(self, engine: Engine, lease: Lease, offsets: list[int],
                  sizes: list[int]) -> None:
-        self._sums = Sums(engine, beside=True)
+        self._sums = Sums(engine)
         self._addr, self._offsets, self._sizes = lease.addr, offsets, sizes
         self._lock = threading.Lock()
         self._closed = False
