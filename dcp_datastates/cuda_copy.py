@@ -29,14 +29,8 @@ PIN_PIECE = 64 << 20
 #: Pause between two pieces, so that a thread waiting for the driver's lock gets it.
 PIN_PAUSE_S = 0.0005
 
-#: With a ``landed`` callback, :meth:`CudaCopier.copy` issues each device's copies in groups of
-#: about this many bytes, an event behind each: their bytes are handed on as each group lands.
-LANDED_BYTES = 256 << 20
-
 #: One copy: (device, destination address, source address, bytes).
 Copy = tuple[int, int, int, int]
-#: A piece of a copy as issued: (destination, source, bytes, index of the copy).
-_Piece = tuple[int, int, int, int]
 #: The copy kinds of :meth:`CudaCopier.copy`.
 _KINDS = {"d2h": "cudaMemcpyDeviceToHost", "h2d": "cudaMemcpyHostToDevice",
           "d2d": "cudaMemcpyDeviceToDevice"}
@@ -143,8 +137,7 @@ class CudaCopier:
             cudart.cudaEventDestroy(event)
 
     def copy(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None,
-             issued: Callable[[dict[int, object] | None], None] | None = None,
-             landed: Callable[[list[int]], None] | None = None) -> float:
+             issued: Callable[[dict[int, object] | None], None] | None = None) -> float:
         """Run ``copies`` on the side streams and wait for them; return the seconds the copies
         took on the GPU (the slowest device; from the first byte, so not the wait for
         ``after``).
@@ -153,50 +146,38 @@ class CudaCopier:
         events the copies must wait for (the caller destroys them). ``issued`` is called with
         an event per device recorded behind the copies once all are issued (work queued after
         them on the GPU runs after the copies), and with None once they are done, before the
-        events are destroyed. ``landed``: each device's copies are issued in groups of about
-        :data:`LANDED_BYTES`, and ``landed`` is called with the indices (in ``copies``) of
-        each group's copies once they are done, in issue order (if it raises, every copy is
-        still waited for, then the error is raised).
+        events are destroyed.
         """
         direction = getattr(cudart.cudaMemcpyKind, _KINDS[kind])
-        by_device = _by_device(copies, kind)
-        spans: list[_Span] = []
-        published, issued_all = None, False
+        by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        for device, dst, src, nbytes in copies:
+            host = dst if kind == "d2h" else src if kind == "h2d" else None
+            if host is None or host // PIN_PIECE == (host + nbytes - 1) // PIN_PIECE:
+                by_device[device].append((dst, src, nbytes))
+                continue
+            for at, n in _pieces(host, nbytes):  # within one registration each
+                by_device[device].append((dst + at - host, src + at - host, n))
+        spans: list[tuple[object, object, object | None]] = []  # (stream, start, done)
+        published = None
         try:
-            for device, pieces in by_device.items():
-                self._issue(device, pieces, direction, after,
-                            LANDED_BYTES if landed is not None else None, spans)
+            for device, batch in by_device.items():
+                stream = self.stream(device)
+                _check(cudart.cudaSetDevice(device), "cudaSetDevice")
+                if after and device in after:
+                    _check(cudart.cudaStreamWaitEvent(stream, after[device], 0),
+                           "cudaStreamWaitEvent")
+                spans.append((stream, _event(stream), None))
+                if len(batch) == 1 or not self._copy_batch(batch, stream):
+                    for dst, src, nbytes in batch:
+                        _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
+                               "cudaMemcpyAsync")
+                spans[-1] = (stream, spans[-1][1], _event(stream))
             if issued is not None:
                 published = issued
-                issued({device: span.groups[-1][0]
-                        for device, span in zip(by_device, spans, strict=True)})
-            issued_all = True
+                issued(dict(zip(by_device, (done for _, _, done in spans), strict=True)))
         finally:  # never return while a copy that was issued may still run
-            seconds = _settle(spans, published, landed if issued_all else None)
+            seconds = _settle(spans, published)
         return seconds
-
-    def _issue(self, device: int, pieces: list[_Piece], direction: object,
-               after: dict[int, object] | None, group_bytes: int | None,
-               spans: list[_Span]) -> None:
-        """Issue one device's ``pieces`` on its stream (after its ``after`` event), in groups
-        of about ``group_bytes`` (None: one group), an event recorded behind each; its span
-        goes to ``spans`` before anything is issued (to be settled whatever happens)."""
-        stream = self.stream(device)
-        _check(cudart.cudaSetDevice(device), "cudaSetDevice")
-        if after and device in after:
-            _check(cudart.cudaStreamWaitEvent(stream, after[device], 0), "cudaStreamWaitEvent")
-        span = _Span(stream, _event(stream))
-        spans.append(span)
-        groups = _groups(pieces, group_bytes)
-        for k, group in enumerate(groups):
-            if len(group) == 1 or not self._copy_batch(group, stream):
-                for dst, src, nbytes, _ in group:
-                    _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
-                           "cudaMemcpyAsync")
-            indices = [] if group_bytes is None else list(dict.fromkeys(
-                index for *_, index in group))
-            span.groups.append((_event(stream, timing=k == len(groups) - 1), indices))
-        span.complete = True
 
     @staticmethod
     def wait_current(events: dict[int, object]) -> None:
@@ -206,11 +187,11 @@ class CudaCopier:
             current = torch.cuda.current_stream(device).cuda_stream
             _check(cudart.cudaStreamWaitEvent(current, event, 0), "cudaStreamWaitEvent")
 
-    def _copy_batch(self, copies: list[_Piece], stream: object) -> bool:
+    def _copy_batch(self, copies: list[tuple[int, int, int]], stream: object) -> bool:
         """Issue ``copies`` in one ``cudaMemcpyBatchAsync`` call; False where it is missing."""
         if not self._batch_ok:
             return False
-        dsts, srcs, sizes = ([c[k] for c in copies] for k in range(3))
+        dsts, srcs, sizes = (list(col) for col in zip(*copies, strict=True))
         attrs = cudart.cudaMemcpyAttributes()
         attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         try:
@@ -229,81 +210,30 @@ class CudaCopier:
         return False
 
 
-class _Span:
-    """One device's copies: its stream, an event before them, and the groups issued (an
-    event behind each, and the indices of the group's copies; the last event times them)."""
-
-    def __init__(self, stream: object, start: object) -> None:
-        self.stream, self.start = stream, start
-        self.groups: list[tuple[object, list[int]]] = []
-        self.complete = False  # every group issued
-
-
-def _by_device(copies: list[Copy], kind: str) -> dict[int, list[_Piece]]:
-    """Each device's pieces to copy, in order: a copy cut where its host side crosses a
-    pinned piece (a copy may not span two registrations)."""
-    by_device: dict[int, list[_Piece]] = defaultdict(list)
-    for index, (device, dst, src, nbytes) in enumerate(copies):
-        host = dst if kind == "d2h" else src if kind == "h2d" else None
-        if host is None or host // PIN_PIECE == (host + nbytes - 1) // PIN_PIECE:
-            by_device[device].append((dst, src, nbytes, index))
-            continue
-        for at, n in _pieces(host, nbytes):  # within one registration each
-            by_device[device].append((dst + at - host, src + at - host, n, index))
-    return by_device
-
-
-def _groups(pieces: list[_Piece], group_bytes: int | None) -> list[list[_Piece]]:
-    """``pieces`` in groups of at least ``group_bytes`` (the last may be less), never
-    splitting a copy's pieces; one group where ``group_bytes`` is None."""
-    if group_bytes is None:
-        return [pieces]
-    groups: list[list[_Piece]] = [[]]
-    nbytes = 0
-    for k, piece in enumerate(pieces):
-        groups[-1].append(piece)
-        nbytes += piece[2]
-        last_of_copy = k + 1 == len(pieces) or pieces[k + 1][3] != piece[3]
-        if nbytes >= group_bytes and last_of_copy and k + 1 < len(pieces):
-            groups.append([])
-            nbytes = 0
-    return groups
-
-
-def _event(stream: object, timing: bool = True) -> object:
-    """An event recorded on ``stream`` (a timing one unless ``timing`` is False)."""
-    (event,) = _check(cudart.cudaEventCreate() if timing else cudart.cudaEventCreateWithFlags(
-        cudart.cudaEventDisableTiming), "cudaEventCreate")
+def _event(stream: object) -> object:
+    """A timing event recorded on ``stream``."""
+    (event,) = _check(cudart.cudaEventCreate(), "cudaEventCreate")
     _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
     return event
 
 
-def _settle(spans: list[_Span], published: Callable[[None], None] | None,
-            landed: Callable[[list[int]], None] | None) -> float:
-    """Wait for each span's copies group by group, calling ``landed`` after each (if it
-    raises: not again, and raised at the end); take back the ``published`` done events;
-    destroy the events. The longest span in seconds (a stream whose copies were not all
-    issued is waited for in full)."""
-    longest, error = 0.0, None
-    for span in spans:
-        if not span.complete:
-            cudart.cudaStreamSynchronize(span.stream)
-            continue
-        for event, indices in span.groups:
-            cudart.cudaEventSynchronize(event)
-            if landed is not None and error is None:
-                try:
-                    landed(indices)
-                except BaseException as exc:  # noqa: BLE001 - raised once all is settled
-                    error = exc
-        err, ms = cudart.cudaEventElapsedTime(span.start, span.groups[-1][0])
-        if err == cudart.cudaError_t.cudaSuccess:
-            longest = max(longest, ms / 1e3)
+def _settle(spans: list[tuple[object, object, object | None]],
+            published: Callable[[None], None] | None) -> float:
+    """Wait for each (stream, start, done) span's copies, take back the ``published`` done
+    events, destroy the events; the longest span in seconds (a stream whose copies were not
+    all issued is waited for in full)."""
+    longest = 0.0
+    for stream, start, done in spans:
+        if done is not None:
+            cudart.cudaEventSynchronize(done)
+            err, ms = cudart.cudaEventElapsedTime(start, done)
+            if err == cudart.cudaError_t.cudaSuccess:
+                longest = max(longest, ms / 1e3)
+        else:
+            cudart.cudaStreamSynchronize(stream)
     if published is not None:
         published(None)
-    for span in spans:
-        for event in (span.start, *(e for e, _ in span.groups)):
+    for _, start, done in spans:
+        for event in (start, done) if done is not None else (start,):
             cudart.cudaEventDestroy(event)
-    if error is not None:
-        raise error
     return longest

@@ -19,17 +19,14 @@ import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .cuda_copy import LANDED_BYTES, Copy, CudaCopier
+from .cuda_copy import Copy, CudaCopier
 from .file_format import ItemSpec, Placement, place_tensors
 from .host_cache import Lease
-
-if TYPE_CHECKING:
-    from .jobs.sums import SnapshotSums
 
 #: CPU tensors smaller than this are copied with one ``memmove`` (less overhead than torch).
 MEMMOVE_BYTES = 1 << 20
@@ -70,7 +67,6 @@ class Snapshot:
     in_target: bool = False  # the lease is a SnapshotTarget's: the data file in place
     overflow: int = 0  # bytes staged in pageable memory instead
     copies: dict[int, int] = field(default_factory=dict)  # data_ptr of a copy -> its source
-    sums: SnapshotSums | None = None  # checksums of the sources in the lease, as they land
 
 
 @dataclass(frozen=True)
@@ -169,99 +165,48 @@ def copy_into(
     ready: dict[int, object] | None,
     own_storage: set[int] = frozenset(),
     issued: Callable[[dict[int, object] | None], None] | None = None,
-    landed: Callable[[list[int]], None] | None = None,
 ) -> tuple[list[torch.Tensor], int, float | None]:
     """Copy ``sources`` into ``lease`` at ``offsets``; return the copies, the bytes that did
     not fit (staged in pageable memory instead) and the seconds the GPU copies took on the GPU
     (None: none made with cuda-python). Gaps in the lease are zeroed. ``issued``: as in
-    :meth:`CudaCopier.copy` (CPU sources are copied by then). ``landed`` is called with the
-    indices of (non-empty) sources whose bytes are in the lease, in groups of about
-    :data:`~dcp_datastates.cuda_copy.LANDED_BYTES`, as they land. Sources numbered in
+    :meth:`CudaCopier.copy` (CPU sources are copied by then). Sources numbered in
     ``own_storage`` (DTensor locals) get a storage of their own: torch pickles a DTensor whose
     local tensor sits at a storage offset as a plain tensor.
     """
     base = lease.storage() if lease is not None else None
     staged: list[torch.Tensor] = []
     gpu: list[Copy] = []
-    owners: list[int | None] = []  # the source of each GPU copy (None: not into the lease)
-    landing = _Landing(landed)
     overflow = 0
     filled: list[tuple[int, int]] = []
     for i, src in enumerate(sources):
         n, offset = nbytes_of(src), offsets[i]
-        into = lease is not None and offset + n <= lease.capacity and n > 0
-        if into:
-            dst = _destination(base, src, offset, i in own_storage)
-            filled.append((offset, n))
-        else:
-            dst = torch.empty(src.shape, dtype=src.dtype)
+        if lease is None or offset + n > lease.capacity or n == 0:
             overflow += n
+            dst = torch.empty(src.shape, dtype=src.dtype)
+            staged.append(dst)
+            if n and src.is_cuda and cuda is not None:  # after the event, like the rest
+                gpu.append((src.device.index, dst.data_ptr(), src.data_ptr(), n))
+            elif n:
+                dst.copy_(src)
+            continue
+        if i in own_storage:
+            dst = torch.empty(0, dtype=src.dtype).set_(base[offset : offset + n], 0, src.shape)
+        else:
+            dst = torch.empty(0, dtype=src.dtype).set_(base, offset // src.element_size(),
+                                                       src.shape)
         staged.append(dst)
-        addr = lease.addr + offset if into else dst.data_ptr()
-        if n and src.is_cuda and cuda is not None:  # after the event, like the rest
+        filled.append((offset, n))
+        addr = lease.addr + offset
+        if src.is_cuda and cuda is not None:
             gpu.append((src.device.index, addr, src.data_ptr(), n))
-            owners.append(i if into else None)
-        elif n:
-            _copy_here(dst, src, addr, n)
-            if into:
-                landing.add(i, n)
-    landing.flush()
+        elif n < MEMMOVE_BYTES and src.device.type == "cpu" and src.is_contiguous():
+            ctypes.memmove(addr, src.data_ptr(), n)
+        else:
+            dst.copy_(src)
     if lease is not None:
         _zero_gaps(lease, filled)
-    device_s = cuda.copy(gpu, "d2h", after=ready, issued=issued,
-                         landed=landing.of_copies(owners)) if gpu else None
+    device_s = cuda.copy(gpu, "d2h", after=ready, issued=issued) if gpu else None
     return staged, overflow, device_s
-
-
-def _copy_here(dst: torch.Tensor, src: torch.Tensor, addr: int, n: int) -> None:
-    """Copy ``src`` (CPU, or GPU without cuda-python) into ``dst`` (at ``addr``) now."""
-    if n < MEMMOVE_BYTES and src.device.type == "cpu" and src.is_contiguous():
-        ctypes.memmove(addr, src.data_ptr(), n)
-    else:
-        dst.copy_(src)
-
-
-def _destination(base: torch.Tensor, src: torch.Tensor, offset: int,
-                 own_storage: bool) -> torch.Tensor:
-    """The copy of ``src`` in the lease's storage ``base`` at byte ``offset``."""
-    n = nbytes_of(src)
-    if own_storage:
-        return torch.empty(0, dtype=src.dtype).set_(base[offset : offset + n], 0, src.shape)
-    return torch.empty(0, dtype=src.dtype).set_(base, offset // src.element_size(), src.shape)
-
-
-class _Landing:
-    """Hands the sources copied into the lease to ``landed`` in groups of about
-    :data:`~dcp_datastates.cuda_copy.LANDED_BYTES` (not one call per small tensor)."""
-
-    def __init__(self, landed: Callable[[list[int]], None] | None) -> None:
-        self.landed = landed
-        self.sources: list[int] = []
-        self.nbytes = 0
-
-    def add(self, source: int, nbytes: int) -> None:
-        if self.landed is not None:
-            self.sources.append(source)
-            self.nbytes += nbytes
-            if self.nbytes >= LANDED_BYTES:
-                self.flush()
-
-    def flush(self) -> None:
-        if self.sources:
-            sources, self.sources, self.nbytes = self.sources, [], 0
-            self.landed(sources)
-
-    def of_copies(self, owners: list[int | None]) -> Callable[[list[int]], None] | None:
-        """A ``landed`` for :meth:`CudaCopier.copy` (copy indices), given each copy's source
-        (None: not into the lease)."""
-        if self.landed is None:
-            return None
-
-        def landed(copies: list[int]) -> None:
-            sources = [s for k in copies if (s := owners[k]) is not None]
-            if sources:
-                self.landed(sources)
-        return landed
 
 
 def _zero_gaps(lease: Lease, filled: list[tuple[int, int]]) -> None:

@@ -47,7 +47,6 @@ from .commit import commit
 from .fence import CopyFence
 from .flush import write_data_file
 from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
-from .sums import SnapshotSums
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -180,17 +179,16 @@ class SaveJob:
         self._copy(plan, lease)
 
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
-        """Copy the snapshot into ``lease`` (None: one of the host cache); hand it out."""
+        """Copy the snapshot into ``lease`` (the job's already; None: a lease of the host
+        cache), then hand the staged state dict out."""
         try:
             if self._ended:
                 return
             held = lease if lease is not None else self.hold(self.reserve(plan.total))
-            snapshot = self.snapshot = Snapshot(held, plan.placements, lease is not None,
-                                                sums=_snapshot_sums(self.engine, held, plan))
+            snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, self.stats.copy_s = copy_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
-                plan.dtensors, None if self.copied.is_set() else self.copied.publish,
-                snapshot.sums and snapshot.sums.landed)
+                plan.dtensors, None if self.copied.is_set() else self.copied.publish)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
@@ -200,6 +198,7 @@ class SaveJob:
             plan.sources.clear()  # the copies are done: the sources may be changed or freed
             self._done_with_events(plan)
             self.settled.set()
+        self.snapshot = snapshot
         self._staged(staged, snapshot.overflow)
         self.tie.deliver(state)
         self.copied.set()  # after the staged future: a guard that waited finds it done
@@ -236,7 +235,8 @@ class SaveJob:
 
     # -- the DCP save ---------------------------------------------------------------------------
     def claim(self) -> None:
-        """The calling thread runs this save now (DCP's ``reset``): any it left is over."""
+        """The calling thread runs this save now (DCP's ``reset``); any save it left
+        unfinished is over."""
         self.order.run(self, CALLS.index("reset"))
 
     def set_up(self, is_coordinator: bool) -> None:
@@ -319,24 +319,14 @@ class SaveJob:
         return bool(self.leases)
 
     def _release(self, claim: bool = True) -> None:
-        """Give back the leases (once the checksums that read them are done) and, with
-        ``claim``, the directory claim."""
+        """Give back the leases and, with ``claim``, the directory claim."""
         with self._lock:
             leases, self.leases = self.leases, []
             claim, self._claim = (self._claim, None) if claim else (None, self._claim)
-        if self.snapshot is not None and self.snapshot.sums is not None:
-            self.snapshot.sums.wait()
         for lease in leases:
             lease.release()
         if claim is not None:
             claim.release()
-
-
-def _snapshot_sums(engine: Engine, lease: Lease | None, plan: _Plan) -> SnapshotSums | None:
-    """The checksums of a snapshot copied into ``lease``, taken as its copies land."""
-    if lease is None:
-        return None
-    return SnapshotSums(engine, lease, plan.offsets, [nbytes_of(t) for t in plan.sources])
 
 
 def _target_lease(target: SnapshotTarget | None, plan: _Plan, ticket: int) -> Lease | None:
