@@ -68,10 +68,15 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the slot takes on the tier."""
-        if self.arena is not None:
-            return self.arena.nbytes
-        return os.fstat(self.fd).st_size if self.fd >= 0 else 0
+        """Bytes the slot takes on the tier (0 if it is being closed meanwhile: other threads
+        ask, e.g. :meth:`SlotPool.slot_bytes` while the pool's thread sizes it)."""
+        arena, fd = self.arena, self.fd
+        if arena is not None:
+            return arena.nbytes
+        try:
+            return os.fstat(fd).st_size if fd >= 0 else 0
+        except OSError:  # closed since it was read
+            return 0
 
     def fit(self, total: int, entries: int) -> None:
         """Size the slot for ``total`` bytes of data after the header room for ``entries``

@@ -1,0 +1,216 @@
+"""Hostile review of ``NextSlot``: memory-tier saves taken while every slot is in use wait
+aside for the next slot to come free. Writes are held (``HoldWrites``, ``FaultyBackend``
+gated) so that every slot stays in use; the gates are opened from the test, never timed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import MARKS, Tiers, assert_state_equal, blank_like
+from fakes import FaultyBackend
+from test_tiers import HoldWrites, make_state
+from test_tiers_restart import tier_files
+
+from dcp_datastates import CheckpointManager, Engine
+from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates.tiers.slots import NextSlot, SlotPool
+
+MiB = 1 << 20
+
+pytestmark = MARKS
+
+
+class Engines:
+    """Engines made by a test, closed at its end with their leases counted."""
+
+    def __init__(self) -> None:
+        self.made: list[Engine] = []
+        self.gates: list[threading.Event] = []
+
+    def __call__(self, backend: object, gate: threading.Event) -> Engine:
+        self.gates.append(gate)
+        self.made.append(Engine(io_backend=backend, host_cache_size="8MiB", io_workers=2))
+        return self.made[-1]
+
+
+@pytest.fixture
+def engines() -> Iterator[Engines]:
+    made = Engines()
+    try:
+        yield made
+    finally:
+        for gate in made.gates:
+            gate.set()
+        leases = [e.live_leases() for e in made.made]
+        for e in made.made:
+            e.close()
+        assert leases == [0] * len(leases), f"leases left: {leases}"
+
+
+def held_engine(engines: Engines, memory: Path) -> tuple[Engine, HoldWrites]:
+    hold = HoldWrites(ThreadPoolBackend(), memory)
+    return engines(hold, hold.gate), hold
+
+
+def slot_dirs(memory: Path) -> list[Path]:
+    return list(memory.glob(".slots.*"))
+
+
+def test_close_while_saves_wait_for_a_slot(tiers: Tiers, engines: Engines) -> None:
+    """close() called while two saves wait aside: it waits for them (they get slots as the
+    commits go on), commits all, and leaves no slot directory or lease."""
+    made, hold = held_engine(engines, tiers.memory)
+    manager = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                                engine=made)
+    handles = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
+    manager.wait_for_snapshots()
+    closer = threading.Thread(target=manager.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive(), "close() waits for the held saves"
+    hold.gate.set()
+    closer.join(60)
+    assert not closer.is_alive()
+    for h in handles:
+        h.result(timeout=1)
+    assert slot_dirs(tiers.memory) == []
+    with CheckpointManager(memory_dir=tiers.memory, persist=None, engine=made) as again:
+        out = blank_like(make_state(6, big=MiB))
+        assert again.load(out) == 6
+        assert_state_equal(out, make_state(6, big=MiB))
+
+
+def test_failed_saves_free_the_slots_others_wait_for(tiers: Tiers, engines: Engines) -> None:
+    """Every write fails (EIO) once let through: the saves holding the slots fail and lose
+    them; the waiting saves make new slots (no more than the limit) and fail too; nothing
+    hangs, close() raises nothing more (each handle raised its error), no lease is left."""
+    faulty = FaultyBackend(ThreadPoolBackend(), fail_write_after=0, gated=True)
+    made = engines(faulty, faulty.gate)
+    manager = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                                engine=made)
+    handles = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
+    manager.wait_for_snapshots()
+    faulty.gate.set()
+    for h in handles:
+        with pytest.raises(Exception, match="injected"):
+            h.result(timeout=60)
+    assert len(tier_files(tiers.memory)) <= 4
+    manager.close()
+    assert slot_dirs(tiers.memory) == []
+
+
+def test_a_step_saved_again_while_every_slot_is_in_use(tiers: Tiers, engines: Engines) -> None:
+    """Step 6 saved again while saves 1-6 hold every slot or wait for one: the save waits for
+    them (the gate opens from another thread), replaces step 6, and loads exactly."""
+    made, hold = held_engine(engines, tiers.memory)
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=3, persist=None,
+                           engine=made) as manager:
+        first = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
+        manager.wait_for_snapshots()
+        opener = threading.Timer(0.2, hold.gate.set)
+        opener.start()
+        again = manager.save(6, make_state(20, big=MiB))
+        opener.join()
+        for h in [*first, again]:
+            h.result(timeout=60)
+        manager.wait()
+        assert len(tier_files(tiers.memory)) <= 6
+        out = blank_like(make_state(20, big=MiB))
+        assert manager.load(out, step=6) == 6
+        assert_state_equal(out, make_state(20, big=MiB))
+
+
+def test_many_waiting_saves_with_a_large_keep_memory(tiers: Tiers, engines: Engines) -> None:
+    """keep_memory=8 (11 slots), 30 saves taken while the commits are held: no slot file
+    beyond the limit, none left free beyond it after, the newest steps kept and exact."""
+    made, hold = held_engine(engines, tiers.memory)
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=8, persist=None,
+                           engine=made) as manager:
+        handles = [manager.save(s, make_state(s)) for s in range(30)]
+        manager.wait_for_snapshots()
+        assert not any(h.committed.done() for h in handles)
+        hold.gate.set()
+        for h in handles:
+            h.result(timeout=60)
+        manager.wait()
+        assert len(tier_files(tiers.memory)) <= 11
+        assert made.live_leases() == 0
+        out = blank_like(make_state(29))
+        assert manager.load(out) == 29
+        assert_state_equal(out, make_state(29))
+
+
+@pytest.mark.xfail(strict=True, raises=TimeoutError, reason=(
+    "a NextSlot waits on the engine's arena thread, which every save of the engine shares"))
+def test_two_managers_waiting_saves_do_not_hold_each_other(tiers: Tiers,
+                                                           engines: Engines) -> None:
+    """Two managers on one engine: the first's saves wait for slots (its commits held); the
+    second's saves should commit meanwhile. They do not: the second's snapshot (into a slot
+    not pinned yet: moved in on the arena thread) queues behind the first's wait there, up
+    to SLOT_WAIT_S (300 s), for as long as the first's commits are held."""
+    made, hold = held_engine(engines, tiers.memory)
+    other = tiers.scratch / "other"
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           engine=made) as stuck, \
+            CheckpointManager(memory_dir=other, keep_memory=1, persist=None,
+                              engine=made) as free:
+        try:
+            held = [stuck.save(s, make_state(s)) for s in range(1, 7)]
+            for s in range(1, 4):
+                free.save(s, make_state(s)).result(timeout=3)
+            assert not any(h.committed.done() for h in held)
+        finally:
+            hold.gate.set()
+        for h in held:
+            h.result(timeout=60)
+
+
+# -- the pool itself: the wait's timeout is reachable only here ----------------------------------
+def test_the_slot_wait_times_out_and_a_closed_pool_wakes_its_waiters(tmp_path: Path) -> None:
+    """``wait_free`` with a short timeout raises RuntimeError (a NextSlot always waits
+    SLOT_WAIT_S: no seam sets it); a pool closed while one waits wakes it with RuntimeError."""
+    pool = SlotPool(None, tmp_path, 2)
+    try:
+        taken = [pool.take(), pool.take()]
+        assert all(s is not None and not isinstance(s, NextSlot) for s in taken)
+        assert isinstance(pool.take(later=True), NextSlot)
+        with pytest.raises(RuntimeError, match="came free"):
+            pool.wait_free(timeout=0.05)
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                pool.wait_free()
+            except RuntimeError as exc:
+                errors.append(exc)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        waiter.join(0.1)
+        assert waiter.is_alive()
+    finally:
+        pool.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and "closed" in str(errors[0])
+
+
+def test_engine_closed_while_saves_wait_for_a_slot(tiers: Tiers, engines: Engines) -> None:
+    """The engine closed (not the manager) while two saves wait aside: its close finishes the
+    manager, which commits every save once the writes go on; no slot directory is left."""
+    made, hold = held_engine(engines, tiers.memory)
+    manager = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                                engine=made)
+    handles = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
+    manager.wait_for_snapshots()
+    closer = threading.Thread(target=made.close)
+    closer.start()
+    closer.join(0.2)
+    hold.gate.set()
+    closer.join(60)
+    assert not closer.is_alive()
+    for h in handles:
+        h.result(timeout=1)
+    assert slot_dirs(tiers.memory) == []
+    manager.close()
