@@ -214,18 +214,34 @@ class Arenas:
             self.check_open()
             return self._queue(fn, *args)
 
-    def move_aside(self, aside: Aside, fn: Callable, *args: object) -> Future:
+    def move_aside(self, aside: Aside, fn: Callable, *args: object,
+                   when: Callable[[Callable[[], None]], None] | None = None,
+                   failed: Callable[[BaseException], None] | None = None) -> None:
         """Queue ``fn(*args)`` (the move of a snapshot waiting ``aside`` into the cache) on the
-        arena thread; ``aside`` is freed once it returns or fails (at once where it cannot be
-        queued), and counted by :meth:`aside_bytes` until then."""
+        arena thread: at once, or once ``when`` calls back the queueing it is given (a target
+        not ready yet; the error of a queueing then goes to ``failed``). ``aside`` is freed
+        once it returns or fails (at once where it cannot be queued), and counted by
+        :meth:`aside_bytes` until then."""
         with self._lock:
             self._asides.append(aside)
-            try:
-                self.check_open()
-                return self._queue(self._move, aside, fn, args)
-            except BaseException:
-                self._let_go(aside)
-                raise
+
+        def queue() -> None:
+            with self._lock:
+                try:
+                    self.check_open()
+                    self._queue(self._move, aside, fn, args)
+                    return
+                except BaseException as exc:
+                    self._let_go(aside)
+                    if when is None or failed is None:
+                        raise
+                    error = exc
+            failed(error)
+
+        if when is None:
+            queue()
+        else:
+            when(queue)
 
     def aside_bytes(self) -> int:
         """Bytes of snapshots waiting aside for the cache (GPU and pageable host memory)."""

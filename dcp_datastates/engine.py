@@ -151,10 +151,13 @@ class Engine:
         """Run ``fn(*args)`` on the arena thread, once the work queued there before is over."""
         return self._arenas.after_arena(fn, *args)
 
-    def move_aside(self, aside: Aside, fn: Callable, *args: object) -> Future:
+    def move_aside(self, aside: Aside, fn: Callable, *args: object,
+                   when: Callable[[Callable[[], None]], None] | None = None,
+                   failed: Callable[[BaseException], None] | None = None) -> None:
         """Queue ``fn(*args)``, the move of a snapshot waiting ``aside`` into the cache, on
-        the arena thread; the engine frees ``aside`` after it."""
-        return self._arenas.move_aside(aside, fn, *args)
+        the arena thread (at once, or once ``when`` calls back: see ``Arenas.move_aside``);
+        the engine frees ``aside`` after it."""
+        self._arenas.move_aside(aside, fn, *args, when=when, failed=failed)
 
     def aside_bytes(self) -> int:
         """Bytes of snapshots waiting aside for the cache (0 once it is ready and they moved)."""

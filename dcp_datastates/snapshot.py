@@ -57,6 +57,10 @@ class SnapshotTarget(Protocol):
     def adopt(self, path: Path) -> Path:
         """Move the memory's file to ``path`` (the save's data file); return ``path``."""
 
+    def when_ready(self, queue: Callable[[], None]) -> None:
+        """Call ``queue`` (the move of a snapshot copied aside) once :meth:`lease` can be
+        had without waiting: at once, or later from another thread."""
+
 
 @dataclass
 class Snapshot:

@@ -143,14 +143,12 @@ def test_many_waiting_saves_with_a_large_keep_memory(tiers: Tiers, engines: Engi
         assert_state_equal(out, make_state(29))
 
 
-@pytest.mark.xfail(strict=True, raises=TimeoutError, reason=(
-    "a NextSlot waits on the engine's arena thread, which every save of the engine shares"))
 def test_two_managers_waiting_saves_do_not_hold_each_other(tiers: Tiers,
                                                            engines: Engines) -> None:
     """Two managers on one engine: the first's saves wait for slots (its commits held); the
-    second's saves should commit meanwhile. They do not: the second's snapshot (into a slot
-    not pinned yet: moved in on the arena thread) queues behind the first's wait there, up
-    to SLOT_WAIT_S (300 s), for as long as the first's commits are held."""
+    second's snapshots land in their slots meanwhile (no thread, the engine's arena thread
+    least of all, waits for a slot: a waiting save's move is queued once its slot is given).
+    Their commits come after the first's, in the engine's save order."""
     made, hold = held_engine(engines, tiers.memory)
     other = tiers.scratch / "other"
     with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
@@ -159,41 +157,44 @@ def test_two_managers_waiting_saves_do_not_hold_each_other(tiers: Tiers,
                               engine=made) as free:
         try:
             held = [stuck.save(s, make_state(s)) for s in range(1, 7)]
-            for s in range(1, 4):
-                free.save(s, make_state(s)).result(timeout=3)
+            others = [free.save(s, make_state(s)) for s in range(1, 4)]
+            for h in others:
+                h.staged.result(timeout=10)
             assert not any(h.committed.done() for h in held)
         finally:
             hold.gate.set()
-        for h in held:
+        for h in held + others:
             h.result(timeout=60)
 
 
-# -- the pool itself: the wait's timeout is reachable only here ----------------------------------
-def test_the_slot_wait_times_out_and_a_closed_pool_wakes_its_waiters(tmp_path: Path) -> None:
-    """``wait_free`` with a short timeout raises RuntimeError (a NextSlot always waits
-    SLOT_WAIT_S: no seam sets it); a pool closed while one waits wakes it with RuntimeError."""
+# -- the pool itself ------------------------------------------------------------------------------
+def test_the_pool_gives_slots_to_waiting_saves_in_order_and_lets_them_go_at_close(
+        tmp_path: Path) -> None:
+    """Saves waiting for a slot get the slots that come free in save order (a later save,
+    or one under a budget, takes none while they wait); each one's move is queued once its
+    slot is given, not before; at close a waiting move is queued and finds no slot."""
     pool = SlotPool(None, tmp_path, 2)
+    queued: list[str] = []
     try:
         taken = [pool.take(), pool.take()]
-        assert all(s is not None and not isinstance(s, NextSlot) for s in taken)
-        assert isinstance(pool.take(later=True), NextSlot)
-        with pytest.raises(RuntimeError, match="came free"):
-            pool.wait_free(timeout=0.05)
-        errors: list[BaseException] = []
-
-        def wait() -> None:
-            try:
-                pool.wait_free()
-            except RuntimeError as exc:
-                errors.append(exc)
-        waiter = threading.Thread(target=wait)
-        waiter.start()
-        waiter.join(0.1)
-        assert waiter.is_alive()
+        first, second = pool.take(later=True), pool.take(later=True)
+        assert isinstance(first, NextSlot) and isinstance(second, NextSlot)
+        second.when_ready(lambda: queued.append("second"))
+        first.when_ready(lambda: queued.append("first"))
+        assert queued == []
+        pool.settle(taken[0], tmp_path / "step_1", committed=False)  # back home: free
+        assert queued == ["first"] and first.slot is taken[0] and second.slot is None
+        assert pool.take() is None, "a free slot goes to the saves waiting, not a new one"
+        third = pool.take(later=True)
+        pool.settle(taken[1], tmp_path / "step_2", committed=False)
+        assert queued == ["first", "second"] and second.slot is taken[1]
+        third.when_ready(lambda: queued.append("third"))
+        assert third.slot is None and queued == ["first", "second"]
     finally:
         pool.close()
-    waiter.join(10)
-    assert not waiter.is_alive() and "closed" in str(errors[0])
+    assert queued == ["first", "second", "third"]
+    with pytest.raises(RuntimeError, match="closed before one came free"):
+        third.lease(4096, 1)
 
 
 def test_engine_closed_while_saves_wait_for_a_slot(tiers: Tiers, engines: Engines) -> None:

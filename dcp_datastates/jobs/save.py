@@ -163,7 +163,8 @@ class SaveJob:
         plan.sources = list(aside.views)
         where = f"{format_size(aside.gpu_bytes)} on the GPU, {format_size(aside.host_bytes)} " \
                 "in pageable memory"
-        self.engine.move_aside(aside, move, plan, None)
+        self.engine.move_aside(aside, move, plan, None, failed=self.end,
+                               when=self.target.when_ready if self.target is not None else None)
         self.copied.set()
         log.info("dcp_datastates: save %d: %s; the snapshot waits aside meanwhile (%s)",
                  self.ticket, why, where)

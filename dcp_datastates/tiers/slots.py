@@ -12,8 +12,9 @@ removed it) is unmapped and forgotten.
 Pinning (seconds per GiB) never delays a save: a slot is mapped unpinned, and the pool's
 pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save takes a pinned
 free slot if there is one, else an unpinned one (its snapshot is copied at pageable speed).
-A save taken while every slot is in use gets the next one to come free (:class:`NextSlot`):
-its snapshot waits aside meanwhile, as one into a slot not pinned yet does.
+A save taken while every slot is in use (or while saves wait for one) gets the next one to
+come free (:class:`NextSlot`), in save order: its snapshot waits aside meanwhile, as one
+into a slot not pinned yet does, and its move is queued once the slot is given.
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
 manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
@@ -29,6 +30,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ..align import ALIGN, round_up
@@ -39,8 +41,6 @@ from .slot_pinning import Background
 log = logging.getLogger("dcp_datastates")
 
 SLOT_DIR_PREFIX = ".slots."
-#: How long a save taken while every slot is in use waits for one (then it is copied).
-SLOT_WAIT_S = 300.0
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (names are rarely longer).
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 512
 
@@ -106,6 +106,10 @@ class Slot:
         """A header of ``header_len`` bytes did not fit: the next save makes the room."""
         self.room = max(self.room, round_up(header_len, ALIGN))
 
+    def when_ready(self, queue: Callable[[], None]) -> None:
+        """The slot can be leased at once (the move sizes it, pinned or not): ``queue`` now."""
+        queue()
+
     def adopt(self, path: Path) -> Path:
         """Move the slot's file to ``path`` (a step's data file); return ``path``."""
         os.rename(self.path, path)
@@ -127,15 +131,17 @@ class Slot:
 
 
 class NextSlot:
-    """The next slot of ``pool`` to come free, for a save taken while every slot is in use: a
-    snapshot target that is not ready (the job copies the snapshot aside at once, and moves
-    it in on the engine's arena thread, where :meth:`lease` waits for the slot)."""
+    """The next slot of ``pool`` to come free, for a save taken while every slot is in use:
+    a snapshot target that is not ready (the job copies the snapshot aside at once). The pool
+    gives the slots that come free to the waiting saves in save order, and queues each one's
+    move into its slot then (:meth:`when_ready`); no thread waits meanwhile."""
 
     pinned = False  # never ready at the save's call: the snapshot waits aside
 
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
-        self.slot: Slot | None = None  # once a slot came free
+        self.slot: Slot | None = None  # given by the pool once one is free
+        self.queue: Callable[[], None] | None = None  # the job's move, once the snapshot is aside
 
     def __str__(self) -> str:
         return "the next memory-tier slot to come free"
@@ -145,9 +151,15 @@ class NextSlot:
         """Bytes a slot of the pool takes on the tier (the save reuses one)."""
         return self.pool.slot_bytes()
 
+    def when_ready(self, queue: Callable[[], None]) -> None:
+        """Call ``queue`` once the pool has given this save its slot (or has closed)."""
+        self.pool.when_given(self, queue)
+
     def lease(self, total: int, entries: int) -> Lease | None:
-        """Wait for a free slot; its lease (see :meth:`Slot.lease`)."""
-        self.slot = self.pool.wait_free()
+        """The given slot's lease (see :meth:`Slot.lease`)."""
+        if self.slot is None:
+            raise RuntimeError(f"the memory-tier slots of {self.pool.directory} closed before "
+                               "one came free")
         return self.slot.lease(total, entries)
 
     def need_room(self, header_len: int) -> None:
@@ -172,7 +184,8 @@ class SlotPool:
         self._count = 0  # slots mapped now
         self._names = itertools.count()
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # a slot left _readying, came free
+        self._readied = threading.Condition(self._lock)  # a slot left _readying
+        self._waiting: list[NextSlot] = []  # saves waiting for a slot, in save order
         self._warned = self._failed = self._closed = False
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
@@ -180,30 +193,44 @@ class SlotPool:
 
     def take(self, later: bool = False) -> Slot | NextSlot | None:
         """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
-        exist). When all are in use: None, or with ``later`` the next one to come free
-        (logged once: the save's snapshot waits aside, on the GPU where it has room)."""
+        exist), unless saves wait for one. Else None, or with ``later`` the next one to come
+        free after theirs (logged once: the save's snapshot waits aside, on the GPU where it
+        has room)."""
         with self._lock:
-            slot = self._take()
-        if slot is not None or not later:
-            return slot
-        if not self._warned:
+            slot = None if self._waiting else self._take()
+            if slot is not None or not later:
+                return slot
+            waiting = NextSlot(self)
+            self._waiting.append(waiting)
+            warn, self._warned = not self._warned, True
+        if warn:
             log.warning("dcp_datastates: all %d memory-tier slots are in use (earlier saves "
                         "are still being committed or persisted); this save (and any other "
                         "while they are) waits aside for the next free slot", self.limit)
-            self._warned = True
-        return NextSlot(self)
+        return waiting
 
-    def wait_free(self, timeout: float = SLOT_WAIT_S) -> Slot:
-        """A free slot, once there is one (see :meth:`take`); RuntimeError if the pool closes
-        or none comes free within ``timeout`` seconds (the save then goes through the
-        engine's host cache)."""
+    def when_given(self, waiting: NextSlot, queue: Callable[[], None]) -> None:
+        """Call ``queue`` once ``waiting`` has its slot (now if it has), or the pool closed."""
         with self._lock:
-            if not self._changed.wait_for(lambda: self._closed or self._free
-                                          or self._count < self.limit, timeout):
-                raise RuntimeError(f"no slot of {self.directory} came free in {timeout:.0f} s")
-            if self._closed:
-                raise RuntimeError(f"the memory-tier slots of {self.directory} are closed")
-            return self._take()
+            waiting.queue = queue
+        self._serve()
+
+    def _serve(self) -> None:
+        """Give the free slots to the saves waiting for one, in save order, and queue the
+        moves of those whose snapshot is aside (every one once the pool is closed: the
+        move then finds no slot and goes to the engine's host cache)."""
+        with self._lock:
+            for waiting in self._waiting:
+                if waiting.slot is None and not self._closed:
+                    waiting.slot = self._take()
+                    if waiting.slot is None:
+                        break
+            due = [w for w in self._waiting
+                   if w.queue is not None and (w.slot is not None or self._closed)]
+            for waiting in due:
+                self._waiting.remove(waiting)
+        for waiting in due:
+            waiting.queue()
 
     def _take(self) -> Slot | None:
         if self._free:
@@ -236,7 +263,7 @@ class SlotPool:
             while self._ready_one():
                 pass
             with self._lock:
-                self._changed.wait_for(lambda: not self._readying)
+                self._readied.wait_for(lambda: not self._readying)
 
     def _ready_one(self) -> bool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
@@ -265,9 +292,11 @@ class SlotPool:
                 closed = self._closed
                 if not closed:
                     self._free.append(slot)
-                self._changed.notify_all()
+                self._readied.notify_all()
         if closed:  # the pool closed meanwhile (a prepare(wait=True) was helping)
             self._forget(slot)
+        else:
+            self._serve()
         return True
 
     def free_bytes(self) -> int:
@@ -280,7 +309,10 @@ class SlotPool:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
         it), held by the step ``directory`` (committed there), or lost (a failed save)."""
         if isinstance(slot, NextSlot):
-            if slot.slot is None:  # the save ended before a slot came free
+            with self._lock:
+                if slot in self._waiting:  # the save ended before its move was queued
+                    self._waiting.remove(slot)
+            if slot.slot is None:
                 return
             slot = slot.slot
         replaced = None
@@ -295,14 +327,15 @@ class SlotPool:
             free = slot.path == slot.home
             if free:
                 self._free.append(slot)
-                self._changed.notify_all()
             elif committed and slot.path.parent == directory and slot.path.exists():
                 self._held[directory] = slot
                 return
         if not free:
             self._forget(slot)
-        elif not slot.pinned:
+            return
+        if not slot.pinned:
             self._thread.wake()
+        self._serve()
 
     def reclaim(self, directory: Path) -> None:
         """The step ``directory`` is being dropped (its ``.metadata`` is gone): its slot
@@ -319,24 +352,24 @@ class SlotPool:
             return
         with self._lock:
             self._free.append(slot)
-            self._changed.notify_all()
         if not slot.pinned:
             self._thread.wake()
+        self._serve()
 
     def _forget(self, slot: Slot) -> None:
         with self._lock:
             self._count -= 1
-            self._changed.notify_all()
         slot.close()
         if slot.path == slot.home:
             slot.home.unlink(missing_ok=True)
+        self._serve()  # one more slot may be made
 
     def close(self) -> None:
         """Stop the pool's thread; unmap every slot; remove the free ones (held ones are
         steps' data files)."""
         with self._lock:
             self._closed = True  # a slot being readied now is forgotten by its reader
-            self._changed.notify_all()
+        self._serve()  # the saves waiting for a slot go to the engine's host cache
         self._thread.close()
         with self._lock:
             slots = [*self._free, *self._held.values()]
