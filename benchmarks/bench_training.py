@@ -248,7 +248,7 @@ def tiers(tr: Trainer, path: Path, setup: dict, rec: dict,
                             "skip_reasons": dict(reasons)}
             rec["snapshots"] = {k: rec["tiers"][k] for k in ("bytes", "copy_s", "snapshot_s")}
             manager.close()
-            if restarts:  # the restart figures (a child process): once, in "tiers"
+            if restarts and not tr.args.no_restart:  # a child process: once, in "tiers"
                 rec["tiers"]["restart"] = restart(tr, manager, engine)
     finally:
         hook.remove()
@@ -612,6 +612,9 @@ def main() -> None:
     ap.add_argument("--gc", choices=["default", "freeze"], default="default",
                     help="freeze: gc.freeze() once the model and optimizer are made (every "
                          "mode): a full collection then skips them (README: 'Python's GC')")
+    ap.add_argument("--no-restart", action="store_true",
+                    help="leave out the restart figures of 'tiers' (a new manager's load and "
+                         "a child process's resume: ~50 s of an H100 run)")
     ap.add_argument("--skip", nargs="*", default=[], choices=list(MODES), metavar="MODE",
                     help=f"modes to leave out: {', '.join(MODES)}")
     ap.add_argument("--resume-child", nargs=2, metavar=("MEMORY", "DURABLE"),
