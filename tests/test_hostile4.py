@@ -5,7 +5,7 @@ gated) so that every slot stays in use; the gates are opened from the test, neve
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -59,15 +59,22 @@ def slot_dirs(memory: Path) -> list[Path]:
     return list(memory.glob(".slots.*"))
 
 
-def test_close_while_saves_wait_for_a_slot(tiers: Tiers, engines: Engines) -> None:
-    """close() called while two saves wait aside: it waits for them (they get slots as the
-    commits go on), commits all, and leaves no slot directory or lease."""
+def six_saves_waiting(tiers: Tiers, engines: Engines
+                      ) -> tuple[Engine, HoldWrites, CheckpointManager, list]:
+    """A manager (keep_memory=1: 4 slots) whose commits are held, with six saves started:
+    the last two wait aside for a slot."""
     made, hold = held_engine(engines, tiers.memory)
     manager = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
                                 engine=made)
     handles = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
     manager.wait_for_snapshots()
-    closer = threading.Thread(target=manager.close)
+    return made, hold, manager, handles
+
+
+def close_while_held(close: Callable[[], None], hold: HoldWrites, handles: list) -> None:
+    """Run ``close`` on a thread, which waits while the writes are held; then let them go:
+    it returns and every save has committed."""
+    closer = threading.Thread(target=close)
     closer.start()
     closer.join(0.2)
     assert closer.is_alive(), "close() waits for the held saves"
@@ -76,6 +83,13 @@ def test_close_while_saves_wait_for_a_slot(tiers: Tiers, engines: Engines) -> No
     assert not closer.is_alive()
     for h in handles:
         h.result(timeout=1)
+
+
+def test_close_while_saves_wait_for_a_slot(tiers: Tiers, engines: Engines) -> None:
+    """close() called while two saves wait aside: it waits for them (they get slots as the
+    commits go on), commits all, and leaves no slot directory or lease."""
+    made, hold, manager, handles = six_saves_waiting(tiers, engines)
+    close_while_held(manager.close, hold, handles)
     assert slot_dirs(tiers.memory) == []
     with CheckpointManager(memory_dir=tiers.memory, persist=None, engine=made) as again:
         out = blank_like(make_state(6, big=MiB))
@@ -200,18 +214,7 @@ def test_the_pool_gives_slots_to_waiting_saves_in_order_and_lets_them_go_at_clos
 def test_engine_closed_while_saves_wait_for_a_slot(tiers: Tiers, engines: Engines) -> None:
     """The engine closed (not the manager) while two saves wait aside: its close finishes the
     manager, which commits every save once the writes go on; no slot directory is left."""
-    made, hold = held_engine(engines, tiers.memory)
-    manager = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
-                                engine=made)
-    handles = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
-    manager.wait_for_snapshots()
-    closer = threading.Thread(target=made.close)
-    closer.start()
-    closer.join(0.2)
-    hold.gate.set()
-    closer.join(60)
-    assert not closer.is_alive()
-    for h in handles:
-        h.result(timeout=1)
+    made, hold, manager, handles = six_saves_waiting(tiers, engines)
+    close_while_held(made.close, hold, handles)
     assert slot_dirs(tiers.memory) == []
     manager.close()
