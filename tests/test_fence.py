@@ -71,3 +71,16 @@ def test_a_set_fence_passes_at_once() -> None:
     fence.set()
     fence.order(waiter)
     assert waiter.waited == [] and fence.wait(0)
+
+
+def test_copies_issued_after_the_fence_is_set_make_no_stream_wait() -> None:
+    """A snapshot copied aside sets its fence; its later move (which reads no source)
+    publishes events too: the training's streams must not wait for them."""
+    fence, waiter = CopyFence(), RecordingWaiter()
+    fence.set()
+    fence.publish({0: "move0"})
+    fence.order(waiter)
+    assert waiter.waited == []
+    fence.publish(None)  # the move's copies done: taken back as usual
+    fence.order(waiter)
+    assert waiter.waited == []

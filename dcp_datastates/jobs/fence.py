@@ -42,8 +42,12 @@ class CopyFence:
 
     def publish(self, events: dict[int, object] | None) -> None:
         """The copier's call: ``events`` recorded behind the copies on each device once all
-        are issued; None once they are done, before the events are destroyed."""
+        are issued; None once they are done, before the events are destroyed. Ignored once
+        the fence is set: later copies (a snapshot moving from where it waited aside) read
+        no source, and the training's streams must not wait for them."""
         with self._lock:
+            if events is not None and self._done.is_set():
+                return
             self._events = events
         if events is not None:
             self._passable.set()

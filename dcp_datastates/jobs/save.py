@@ -189,7 +189,7 @@ class SaveJob:
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, self.stats.copy_s = copy_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
-                plan.dtensors, None if self.copied.is_set() else self.copied.publish)
+                plan.dtensors, self.copied.publish)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
