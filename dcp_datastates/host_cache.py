@@ -27,6 +27,34 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10  # Linux; not in Python's mmap module
+
+
+POPULATE_PIECE = 16 << 20
+"""Bytes populated per ``mmap`` call: the kernel holds the process's memory-map lock while it
+populates, so every other thread's ``mmap``, thread start or page fault waits for one piece
+(a few ms), not for gigabytes (seconds)."""
+
+
+def _map(addr: int | None, nbytes: int, flags: int, fd: int, offset: int, name: str) -> int:
+    got = _libc.mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+    if got in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise MemoryError(
+            f"cannot map {format_size(nbytes)} of host memory for the {name} cache: "
+            f"{os.strerror(err)}"
+        )
+    return got
+
+
+def _populate(addr: int, nbytes: int, flags: int, fd: int, name: str) -> None:
+    """Fault in the pages of a fresh mapping one :data:`POPULATE_PIECE` at a time, each piece
+    mapped again over itself with ``MAP_POPULATE`` (the same file offset: a slot's pages keep
+    their bytes)."""
+    fixed = flags | _MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
+    for offset in range(0, nbytes, POPULATE_PIECE):
+        piece = min(POPULATE_PIECE, nbytes - offset)
+        _map(addr + offset, piece, fixed, fd, offset, name)
 
 
 @dataclass(eq=False)
@@ -141,7 +169,7 @@ class Arena:
     """``nbytes`` of page-aligned memory with one pool over it: anonymous, or with ``fd`` the
     file's first ``nbytes`` mapped shared (the file must be at least that long).
 
-    The pages are touched when mapped (``MAP_POPULATE``), off the training path. Whoever made
+    The pages are touched when mapped (:func:`_populate`), off the training path. Whoever made
     the arena frees it with :meth:`free` once no lease is live, after undoing any pinning or
     I/O registration of its address range.
     """
@@ -150,18 +178,14 @@ class Arena:
         if nbytes < ALIGN:
             raise ValueError(f"an arena needs at least {ALIGN} bytes, got {nbytes}")
         self.nbytes = round_up(nbytes)
-        populate = getattr(mmap, "MAP_POPULATE", 0)
-        if fd is None:
-            flags, fd = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate, -1
-        else:
-            flags = mmap.MAP_SHARED | populate
-        addr = _libc.mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise MemoryError(
-                f"cannot map {format_size(self.nbytes)} of host memory for the {name} cache: "
-                f"{os.strerror(err)}"
-            )
+        flags = mmap.MAP_SHARED if fd is not None else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        fd = -1 if fd is None else fd
+        addr = _map(None, self.nbytes, flags, fd, 0, name)
+        try:
+            _populate(addr, self.nbytes, flags, fd, name)
+        except BaseException:
+            _libc.munmap(addr, self.nbytes)
+            raise
         self.addr: int = addr
         self.tensor = torch.frombuffer((ctypes.c_char * self.nbytes).from_address(addr),
                                        dtype=torch.uint8)

@@ -4,6 +4,7 @@ layout and header checks, size strings."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import threading
@@ -83,6 +84,37 @@ def test_arena_is_page_aligned_whatever_the_sharing_strategy(
 def test_arena_too_small() -> None:
     with pytest.raises(ValueError, match=f"an arena needs at least {PAGE} bytes, got 100"):
         Arena(100, "test")
+
+
+def test_other_threads_start_and_allocate_while_an_arena_is_populated() -> None:
+    """The kernel holds the process's memory-map lock while it populates pages: a big arena
+    populated in one go held every other thread's start and allocation until it was done."""
+    made: list[Arena] = []
+    maker = threading.Thread(target=lambda: made.append(Arena(2 << 30, "big")))
+    maker.start()
+    started = 0
+    while maker.is_alive():
+        thread = threading.Thread(target=bytearray, args=(1 << 22,))
+        thread.start()
+        thread.join()
+        started += maker.is_alive()
+    maker.join()
+    made[0].free()
+    assert started >= 3, f"only {started} thread(s) started while the arena was populated"
+
+
+def test_slot_arena_keeps_the_bytes_of_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "slot"
+    path.write_bytes(b"\0" * (3 * PAGE) + b"kept" + b"\0" * (PAGE - 4))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        arena = Arena(4 * PAGE, "slot", fd=fd)
+        assert bytes(arena.tensor[3 * PAGE: 3 * PAGE + 4].numpy()) == b"kept"
+        arena.tensor[:4] = torch.tensor(list(b"new!"), dtype=torch.uint8)
+        arena.free()
+    finally:
+        os.close(fd)
+    assert path.read_bytes()[:4] == b"new!"
 
 
 def test_arena_free_refuses_while_a_lease_is_live() -> None:
