@@ -25,6 +25,8 @@ import shutil
 import sys
 import threading
 import time
+import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -131,6 +133,50 @@ class Tracer:
         return out
 
 
+class Sampler(threading.Thread):
+    """Every ``PERIOD`` s, where each thread not idle in a pool is (its innermost frames): a
+    profile that costs the others only this thread's GIL turns, unlike the profile hook."""
+
+    PERIOD = 0.0005
+    DEPTH = 4
+
+    def __init__(self) -> None:
+        super().__init__(name="sampler", daemon=True)
+        self.samples: list[tuple[float, float, str, str]] = []  # (time, since last, ...)
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        last = time.perf_counter()
+        while not self._done.wait(self.PERIOD):
+            now = time.perf_counter()
+            dt, last = now - last, now
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident, "?")
+                stack = _stack(frame)
+                if name not in ("sampler", "busy") and not stack.startswith("_worker@"):
+                    self.samples.append((now, dt, name.rstrip("_0123456789"), stack))
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+    def window(self, since: float, until: float) -> Counter:
+        """Seconds per (thread, stack) in ``[since, until]`` (a sample stands for the time
+        since the one before: the sampler waits for the GIL like any thread)."""
+        out: Counter = Counter()
+        for t, dt, name, stack in self.samples:
+            if since <= t <= until:
+                out[name, stack] += dt
+        return out
+
+
+def _stack(frame: object) -> str:
+    parts = [f"{f.f_code.co_name}@{Path(f.f_code.co_filename).name}:{n}"
+             for f, n in traceback.walk_stack(frame)][:Sampler.DEPTH]
+    return " < ".join(parts)
+
+
 class FullCollections:
     """The full (generation 2) collections of the cyclic GC while :meth:`on`'s block runs:
     how many, and the seconds they took."""
@@ -215,9 +261,10 @@ def busy_thread(on: bool) -> Iterator[None]:
             thread.join()
 
 
-def saves(state: dict, engine: Engine, memory: Path, n: int,
-          tracer: Tracer | None) -> list[dict]:
-    """``n`` saves by a fresh manager, each waited for: their figures (and traced phases)."""
+def saves(state: dict, engine: Engine, memory: Path, n: int, tracer: Tracer | None,
+          sampler: Sampler | None = None) -> list[dict]:
+    """``n`` saves by a fresh manager, each waited for: their figures (and traced phases, or
+    sampled stacks over the commit)."""
     shutil.rmtree(memory, ignore_errors=True)
     manager = CheckpointManager(memory / "durable", memory_dir=memory / "tier", persist=None,
                                 keep_memory=2, engine=engine)
@@ -236,6 +283,8 @@ def saves(state: dict, engine: Engine, memory: Path, n: int,
             if tracer is not None:
                 spans = tracer.spans(staged["at"], time.perf_counter())
                 row.update({k: read(spans, staged["at"]) for k, read in PHASES.items()})
+            if sampler is not None:
+                row["stacks"] = sampler.window(staged["at"], time.perf_counter())
             out.append(row)
     finally:
         manager.close()
@@ -250,6 +299,13 @@ def variant(state: dict, memory: Path, args, busy: bool) -> dict:
         with Engine() as engine, FullCollections().on() as full:
             clean = saves(state, engine, memory, args.saves, None)
         traced: list[dict] = []
+        if args.sampled:
+            sampler = Sampler()
+            sampler.start()
+            with Engine() as engine:
+                sampled = saves(state, engine, memory, args.sampled, None, sampler)
+            sampler.stop()
+            report_stacks(sampled[1:] or sampled)
         if args.traced:
             tracer = Tracer()
             with tracer.on(), Engine() as engine:
@@ -263,6 +319,21 @@ def variant(state: dict, memory: Path, args, busy: bool) -> dict:
         f"{full.count} full GCs ({full.seconds:.3f} s) in {len(clean)} saves; commits "
         + " ".join(f"{r['commit_s']:.3f}" for r in clean))
     return res
+
+
+def report_stacks(rows: list[dict], top: int = 14) -> None:
+    """Per thread, its busiest stacks over the commits (mean ms per save)."""
+    total: Counter = Counter()
+    for row in rows:
+        total.update(row["stacks"])
+    by_thread: dict[str, Counter] = {}
+    for (name, stack), s in total.items():
+        by_thread.setdefault(name, Counter())[stack] += s
+    log(f"sampled commits ({len(rows)}): " + " ".join(f"{r['commit_s']:.3f}" for r in rows))
+    for name, stacks in sorted(by_thread.items(), key=lambda kv: -sum(kv[1].values())):
+        log(f"  {name}: {sum(stacks.values()) / len(rows) * 1e3:.0f} ms per save")
+        for stack, s in stacks.most_common(top):
+            log(f"    {s / len(rows) * 1e3:6.1f} ms  {stack}")
 
 
 def tables(res: dict) -> list[Table]:
@@ -291,6 +362,9 @@ def main() -> None:
     ap.add_argument("--memory", type=Path, default=Path("/dev/shm/bench_commit"),
                     help="where the memory tier goes (tmpfs)")
     ap.add_argument("--no-busy", action="store_true", help="idle runs only")
+    ap.add_argument("--sampled", type=int, default=0,
+                    help="saves with every thread's stack sampled every 0.5 ms (0: none)")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the state is made")
     args = ap.parse_args()
     device = "cuda" if cuda else "cpu"
     nbytes = int(args.gib * 2**30)
@@ -299,6 +373,9 @@ def main() -> None:
     run = Run("bench_commit", args, [args.memory.parent])
     run.header()
     state = gpt_state(nbytes, device)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     res = run.res
     res.update(device=device, bytes=state_bytes(state), tensors=len(tensors(state)), runs={})
     log(f"state: {format_size(res['bytes'])} in {res['tensors']} tensors on {device}")
