@@ -30,31 +30,43 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10  # Linux; not in Python's mmap module
 
 
-POPULATE_PIECE = 16 << 20
-"""Bytes populated per ``mmap`` call: the kernel holds the process's memory-map lock while it
-populates, so every other thread's ``mmap``, thread start or page fault waits for one piece
-(a few ms), not for gigabytes (seconds)."""
+MAP_PIECE = 16 << 20
+"""Bytes populated per ``mmap`` call, or unmapped per ``munmap``: the kernel holds the
+process's memory-map lock while it populates or takes down a mapping's pages, so every other
+thread's ``mmap``, thread start or page fault waits for one piece (a few ms), not for
+gigabytes (seconds to populate, ~0.1 s to take down)."""
 
 
-def _map(addr: int | None, nbytes: int, flags: int, fd: int, offset: int, name: str) -> int:
+def map_private(fd: int, nbytes: int, what: str) -> int:
+    """Address of a private mapping of the first ``nbytes`` of file ``fd``, not populated
+    (writable only so that ctypes and torch take its address: written, a page is copied).
+    Undo with :func:`unmap`."""
+    return _map(None, nbytes, mmap.MAP_PRIVATE, fd, 0, what)
+
+
+def unmap(addr: int, nbytes: int) -> None:
+    """Unmap ``nbytes`` at ``addr``, one :data:`MAP_PIECE` at a time."""
+    for offset in range(0, nbytes, MAP_PIECE):
+        _libc.munmap(addr + offset, min(MAP_PIECE, nbytes - offset))
+
+
+def _map(addr: int | None, nbytes: int, flags: int, fd: int, offset: int, what: str) -> int:
     got = _libc.mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
     if got in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise MemoryError(
-            f"cannot map {format_size(nbytes)} of host memory for the {name} cache: "
-            f"{os.strerror(err)}"
-        )
+            f"cannot map {format_size(nbytes)} of host memory for {what}: {os.strerror(err)}")
     return got
 
 
-def _populate(addr: int, nbytes: int, flags: int, fd: int, name: str) -> None:
-    """Fault in the pages of a fresh mapping one :data:`POPULATE_PIECE` at a time, each piece
+def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
+    """Fault in the pages of a fresh mapping one :data:`MAP_PIECE` at a time, each piece
     mapped again over itself with ``MAP_POPULATE`` (the same file offset: a slot's pages keep
     their bytes)."""
     fixed = flags | _MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
-    for offset in range(0, nbytes, POPULATE_PIECE):
-        piece = min(POPULATE_PIECE, nbytes - offset)
-        _map(addr + offset, piece, fixed, fd, offset, name)
+    for offset in range(0, nbytes, MAP_PIECE):
+        piece = min(MAP_PIECE, nbytes - offset)
+        _map(addr + offset, piece, fixed, fd, offset, what)
 
 
 @dataclass(eq=False)
@@ -180,11 +192,11 @@ class Arena:
         self.nbytes = round_up(nbytes)
         flags = mmap.MAP_SHARED if fd is not None else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         fd = -1 if fd is None else fd
-        addr = _map(None, self.nbytes, flags, fd, 0, name)
+        addr = _map(None, self.nbytes, flags, fd, 0, f"the {name} cache")
         try:
-            _populate(addr, self.nbytes, flags, fd, name)
+            _populate(addr, self.nbytes, flags, fd, f"the {name} cache")
         except BaseException:
-            _libc.munmap(addr, self.nbytes)
+            unmap(addr, self.nbytes)
             raise
         self.addr: int = addr
         self.tensor = torch.frombuffer((ctypes.c_char * self.nbytes).from_address(addr),
@@ -202,4 +214,4 @@ class Arena:
             )
         self.freed = True
         self.tensor = None
-        _libc.munmap(self.addr, self.nbytes)
+        unmap(self.addr, self.nbytes)

@@ -15,8 +15,6 @@ target), which a later commit merges with the other parts.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import mmap
 import os
 import shutil
 from collections import defaultdict
@@ -33,6 +31,7 @@ from ..entries import stored_spec
 from ..errors import CheckpointCorruptError
 from ..file_format import entry_mismatch, layout_mismatch, read_file_header
 from ..file_writer import DataFile, Piece
+from ..host_cache import map_private, unmap
 from ..metadata_file import ItemLocation, read_metadata
 from .commit import commit, data_files
 
@@ -160,22 +159,19 @@ def _settle(checks: list[Future]) -> None:
 
 @contextlib.contextmanager
 def _mapped(path: Path) -> Iterator[tuple[int, int]]:
-    """(address, size) of a mapping of ``path``, opened read-only (the source may be a file
-    the caller cannot write). The mapping is private and writable only so that ctypes gives
-    its address; nothing writes it, so no page is copied (and it is not populated up front,
-    which would copy every page of a private writable mapping)."""
+    """(address, size) of a private mapping of ``path`` (``host_cache.map_private``: nothing
+    writes it, so no page is copied), opened read-only (the source may be a file the caller
+    cannot write)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         if not size:
             yield 0, 0
             return
-        with mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
-                       prot=mmap.PROT_READ | mmap.PROT_WRITE) as mapping:
-            first = ctypes.c_char.from_buffer(mapping)
-            try:
-                yield ctypes.addressof(first), size
-            finally:
-                del first  # its hold on the mapping ends here, so the mapping can close
+        addr = map_private(fd, size, str(path))
+        try:
+            yield addr, size
+        finally:
+            unmap(addr, size)
     finally:
         os.close(fd)
