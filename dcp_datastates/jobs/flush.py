@@ -160,8 +160,7 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
                                                           strict=True)])
         sums.start(list(range(len(tensors), len(tensors) + len(raws))), memory[1:])
         file.finish(final.file_size)
-        checksums = [job.sums.of(early[k]) if k in early else sums.of(k)
-                     for k in range(len(tensors) + len(raws))]
+        checksums = _checksums(sums, job.sums, early, len(tensors) + len(raws))
     except BaseException:
         file.abort()
         raise
@@ -177,6 +176,13 @@ def _early(snapshot_sums: SnapshotSums, order: list[int] | None) -> dict[int, in
     if order is None:
         return {}
     return {k: s for k, s in enumerate(order) if snapshot_sums.has(s)}
+
+
+def _checksums(sums: Sums, snapshot_sums: SnapshotSums, early: dict[int, int],
+               count: int) -> list[list[int]]:
+    """Every item's checksums, in item order (waits for them): the snapshot's for the
+    tensors in ``early``, the flush's for the rest."""
+    return [snapshot_sums.of(early[k]) if k in early else sums.of(k) for k in range(count)]
 
 
 def _lease_of(leases: list[Lease], t: torch.Tensor) -> Lease | None:
