@@ -49,14 +49,12 @@ WATCHED = [
     ("dcp_save", "dcp_datastates.tiers.local_dcp", "save"),
     ("write_data", "dcp_datastates.jobs.flush", "write_data_file"),
     ("checksum_wait", "dcp_datastates.jobs.flush", "_Sums.result"),
-    ("checksum_wait", "dcp_datastates.jobs.flush", "_checksums"),
     ("file_finish", "dcp_datastates.file_writer", "DataFile.finish"),
     ("commit", "dcp_datastates.jobs.commit", "commit"),
     ("write_metadata", "dcp_datastates.metadata_file", "write_metadata"),
     ("after_commit", "dcp_datastates.tiers.memory_save", "MemorySaver.after_commit"),
     ("hash", "dcp_datastates.jobs.flush", "_sum_pieces"),
     ("hash", "dcp_datastates.jobs.flush", "_sum_batch"),
-    ("hash", "dcp_datastates.jobs.sums", "_sum_pieces"),
 ]
 #: Phases shown: name -> how it is read from one save's spans (``None``: not traced).
 PHASES: dict[str, Callable[[dict, float], float | None]] = {

@@ -5,8 +5,6 @@ The file's tensors lie where the snapshot put them: the placements kept by stagi
 copies; otherwise (a plain save) the plan's tensors are placed here. Tensor I/O starts at once;
 bytes items are serialized meanwhile, then written with the header. A snapshot in a snapshot
 target is already the file's data: only the header and the bytes items are written there.
-The checksums of the snapshot's copies were started by the save job once its copies were done
-(``jobs/sums.py``); the flush hashes the rest.
 """
 
 from __future__ import annotations
@@ -22,22 +20,25 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..checksums import BLOCK_BYTES
+from ..align import round_up
+from ..checksums import BLOCK_BYTES, deal_blocks, regions_checksums
 from ..entries import entry_name
 from ..file_format import FileLayout, ItemSpec, Placement, file_layout, place_bytes, place_tensors
 from ..file_writer import DataFile, Piece
 from ..host_cache import Lease
 from ..metadata_file import ItemLocation
 from ..snapshot import Snapshot, copy_into, nbytes_of
-from .sums import SnapshotSums, Sums
 
 if TYPE_CHECKING:
+    from ..engine import Engine
     from .save import SaveJob
 
 log = logging.getLogger("dcp_datastates")
 
 #: Stands for a bytes item's size before it is serialized (no real size has more digits).
 _SIZE_BOUND = 10**15
+#: Checksum tasks cover at least this many bytes; each thread gets about this many tasks.
+_SUM_BYTES, _TASKS_PER_THREAD = BLOCK_BYTES, 2
 
 
 def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
@@ -52,7 +53,7 @@ def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
     tensors = [planner.resolve_data(i).detach() for i in tensor_items]
     specs = [ItemSpec(entry_name(i.index), t.dtype, tuple(t.shape), nbytes_of(t))
              for i, t in zip(tensor_items, tensors, strict=True)]
-    placed, in_place, order = _tensor_placements(job.snapshot, tensors, specs)
+    placed, in_place = _tensor_placements(job.snapshot, tensors, specs)
     raw_names = [entry_name(i.index) for i in raw_items]
     draft, in_place = _draft(job, placed, raw_names, in_place)
     where = {p.spec.name: draft.data_start + p.begin for p in placed if p.spec is not None}
@@ -64,8 +65,7 @@ def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
     file = DataFile(path, direct_io, job.engine.io, job.engine.bounce.pool,
                     job.engine.submit, create=not in_place)
     final, raw_offsets, sizes, checksums = _write(job, file, draft, placed, tensors, offsets,
-                                                  raw_names, serialized, in_place,
-                                                  _early(job.sums, order))
+                                                  raw_names, serialized, in_place)
     job.stats.add_flush(final.file_size, time.perf_counter() - start, file.direct)
     return [
         WriteResult(index=i.index, size_in_bytes=n,
@@ -76,18 +76,17 @@ def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
 
 
 def _tensor_placements(snapshot: Snapshot | None, tensors: list[torch.Tensor],
-                       specs: list[ItemSpec]) -> tuple[list[Placement], bool, list[int] | None]:
+                       specs: list[ItemSpec]) -> tuple[list[Placement], bool]:
     """Where the file puts each tensor: the snapshot's placements when the tensors are its
     copies (each once), else placed now, in the plan's order. Also whether the snapshot lies
-    in its target in full (the file's data is there already), and each tensor's source (None:
-    the tensors are not the snapshot's copies)."""
+    in its target in full (the file's data is there already)."""
     order = _sources_of(snapshot, tensors, specs)
     if order is None:
-        return place_tensors(specs), False, None
+        return place_tensors(specs), False
     spec_of = {k: specs[i] for i, k in enumerate(order)}
     placed = [Placement(spec_of[int(p.spec.name)] if p.spec is not None else None,
                         p.begin, p.nbytes) for p in snapshot.placements]
-    return placed, snapshot.in_target and not snapshot.overflow and bool(tensors), order
+    return placed, snapshot.in_target and not snapshot.overflow and bool(tensors)
 
 
 def _sources_of(snapshot: Snapshot | None, tensors: list[torch.Tensor],
@@ -129,12 +128,11 @@ def _draft(job: SaveJob, placed: list[Placement], raw_names: list[str],
 
 def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placement],
            tensors: list[torch.Tensor], offsets: list[int], raw_names: list[str],
-           serialized: list[Future], in_place: bool, early: dict[int, int],
+           serialized: list[Future], in_place: bool,
            ) -> tuple[FileLayout, list[int], list[int], list[list[int]]]:
     """Write the tensors (unless in place), the bytes items and the header; return the final
-    layout, the bytes items' offsets, every item's size and checksums (those of the tensors
-    in ``early`` are the snapshot's, taken by the save job: of the sources it maps them to)."""
-    sums = Sums(job.engine)
+    layout, the bytes items' offsets, every item's size and checksums."""
+    sums = _Sums()
     try:
         if not in_place:  # in place, the snapshot is the file's data already
             file.preallocate(max((o + nbytes_of(t) for o, t in zip(offsets, tensors,
@@ -142,8 +140,7 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
                                  default=draft.data_start))
             file.write([Piece(o, t.data_ptr(), nbytes_of(t), _lease_of(job.leases, t))
                         for o, t in zip(offsets, tensors, strict=True)])
-        late = [k for k in range(len(tensors)) if k not in early]
-        sums.start(late, [(tensors[k].data_ptr(), nbytes_of(tensors[k])) for k in late])
+        sums.start(job.engine, [(t.data_ptr(), nbytes_of(t)) for t in tensors])
         raws = [f.result() for f in serialized]
         final = draft
         if raw_names:
@@ -158,9 +155,9 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
         memory = [_address(r) for r in (final.header, *raws)]
         file.write([Piece(o, a, n) for o, (a, n) in zip([0, *raw_offsets], memory,
                                                           strict=True)])
-        sums.start(list(range(len(tensors), len(tensors) + len(raws))), memory[1:])
+        sums.start(job.engine, memory[1:])
         file.finish(final.file_size)
-        checksums = _checksums(sums, job.sums, early, len(tensors) + len(raws))
+        checksums = sums.result()
     except BaseException:
         file.abort()
         raise
@@ -168,21 +165,6 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
         sums.wait()  # they read the memory the caller releases
     sizes = [nbytes_of(t) for t in tensors] + [len(r) for r in raws]
     return final, raw_offsets, sizes, checksums
-
-
-def _early(snapshot_sums: SnapshotSums, order: list[int] | None) -> dict[int, int]:
-    """The tensors (by position) whose checksums the save job took from the snapshot: their
-    sources (``order``: each tensor's, None where they are not the snapshot's copies)."""
-    if order is None:
-        return {}
-    return {k: s for k, s in enumerate(order) if snapshot_sums.has(s)}
-
-
-def _checksums(sums: Sums, snapshot_sums: SnapshotSums, early: dict[int, int],
-               count: int) -> list[list[int]]:
-    """Every item's checksums, in item order (waits for them): the snapshot's for the
-    tensors in ``early``, the flush's for the rest."""
-    return [snapshot_sums.of(early[k]) if k in early else sums.of(k) for k in range(count)]
 
 
 def _lease_of(leases: list[Lease], t: torch.Tensor) -> Lease | None:
@@ -231,3 +213,38 @@ def _address(data: bytes | memoryview) -> tuple[int, int]:
     if isinstance(data, bytes):
         return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value, len(data)
     return ctypes.addressof(ctypes.c_char.from_buffer(data)), len(data)
+
+
+def _sum_pieces(pieces: list[tuple[int, int, int]]) -> list[list[int]]:
+    return regions_checksums([(a, n) for _, a, n in pieces], BLOCK_BYTES)
+
+
+class _Sums:
+    """Per-block checksums of items in flight on the checksum threads: the items' blocks are
+    dealt out in tasks of about equal bytes, one large item over many threads."""
+
+    def __init__(self) -> None:
+        self.count = 0  # items so far
+        self.tasks: list[tuple[list[int], Future]] = []  # (item of each piece, checksums)
+
+    def start(self, engine: Engine, regions: list[tuple[int, int]]) -> None:
+        """Start the checksums of memory ``regions`` (address, bytes): the next items."""
+        total = sum(n for _, n in regions)
+        share = max(_SUM_BYTES, round_up(-(-total // (_TASKS_PER_THREAD * engine.hash_workers)),
+                                         BLOCK_BYTES))
+        for pieces in deal_blocks(regions, share):
+            items = [self.count + k for k, _, _ in pieces]
+            self.tasks.append((items, engine.compute(_sum_pieces, pieces)))
+        self.count += len(regions)
+
+    def result(self) -> list[list[int]]:
+        """Every item's checksums, in item order."""
+        out: list[list[int]] = [[] for _ in range(self.count)]
+        for items, future in self.tasks:
+            for k, sums in zip(items, future.result(), strict=True):
+                out[k] += sums
+        return out
+
+    def wait(self) -> None:
+        for _, future in self.tasks:
+            future.exception()

@@ -3,11 +3,9 @@
 States: planned -> staging -> staged -> flushing -> committed | failed (or handed_off, when
 DCP's PROCESS checkpointer takes the snapshot to its own process). The job owns its snapshot
 lease, the CUDA events and source tensors of its copies (until they are done), the directory
-claim, its data file, its figures and the checksums of its snapshot's copies (started once
-they are done, waited for before the lease goes); ``end`` releases all of it, on success,
-failure and cancellation alike. Saves take their storage steps in ticket order, and whether
-DCP abandoned one is judged in one place: ``jobs/ordering.py``. The flush is
-``jobs/flush.py``.
+claim, its data file and its figures; ``end`` releases all of it, on success, failure and
+cancellation alike. Saves take their storage steps in ticket order, and whether DCP abandoned
+one is judged in one place: ``jobs/ordering.py``. The flush is ``jobs/flush.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ from .commit import commit
 from .fence import CopyFence
 from .flush import write_data_file
 from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
-from .sums import SnapshotSums
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -100,7 +97,6 @@ class SaveJob:
         self.directory: Path | None = None
         self.target: SnapshotTarget | None = None  # where to snapshot into (async saves)
         self.snapshot: Snapshot | None = None  # the staged snapshot (async saves)
-        self.sums = SnapshotSums(engine)  # of the snapshot's copies in its lease
         self.leases: list[Lease] = []
         self._claim: DirectoryClaim | None = None
         self._lock = threading.RLock()
@@ -184,7 +180,8 @@ class SaveJob:
         self._copy(plan, lease)
 
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
-        """Copy the snapshot into ``lease`` (None: one of the host cache); hand it out."""
+        """Copy the snapshot into ``lease`` (the job's already; None: a lease of the host
+        cache), then hand the staged state dict out."""
         try:
             if self._ended:
                 return
@@ -193,7 +190,6 @@ class SaveJob:
             staged, snapshot.overflow, self.stats.copy_s = copy_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
                 plan.dtensors, self.copied.publish)
-            self.sums.start(staged, snapshot.lease)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
@@ -240,7 +236,8 @@ class SaveJob:
 
     # -- the DCP save ---------------------------------------------------------------------------
     def claim(self) -> None:
-        """The calling thread runs this save now (DCP's ``reset``): any it left is over."""
+        """The calling thread runs this save now (DCP's ``reset``); any save it left
+        unfinished is over."""
         self.order.run(self, CALLS.index("reset"))
 
     def set_up(self, is_coordinator: bool) -> None:
@@ -323,11 +320,10 @@ class SaveJob:
         return bool(self.leases)
 
     def _release(self, claim: bool = True) -> None:
-        """Give back the leases (after their checksums) and, with ``claim``, the claim."""
+        """Give back the leases and, with ``claim``, the directory claim."""
         with self._lock:
             leases, self.leases = self.leases, []
             claim, self._claim = (self._claim, None) if claim else (None, self._claim)
-        self.sums.close()
         for lease in leases:
             lease.release()
         if claim is not None:
