@@ -179,7 +179,8 @@ class Pool:
 
 class Arena:
     """``nbytes`` of page-aligned memory with one pool over it: anonymous, or with ``fd`` the
-    file's first ``nbytes`` mapped shared (the file must be at least that long).
+    file's first ``nbytes`` mapped shared (the file must be at least that long: else
+    ValueError).
 
     The pages are touched when mapped (:func:`_populate`), off the training path. Whoever made
     the arena frees it with :meth:`free` once no lease is live, after undoing any pinning or
@@ -190,6 +191,10 @@ class Arena:
         if nbytes < ALIGN:
             raise ValueError(f"an arena needs at least {ALIGN} bytes, got {nbytes}")
         self.nbytes = round_up(nbytes)
+        if fd is not None and round_up(os.fstat(fd).st_size) < self.nbytes:
+            raise ValueError(  # a page past the file's end faults with SIGBUS when touched
+                f"cannot map {format_size(self.nbytes)} of {name}: the file holds only "
+                f"{format_size(os.fstat(fd).st_size)}")
         flags = mmap.MAP_SHARED if fd is not None else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         fd = -1 if fd is None else fd
         addr = _map(None, self.nbytes, flags, fd, 0, f"the {name} cache")

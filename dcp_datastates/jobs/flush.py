@@ -92,7 +92,9 @@ def _tensor_placements(snapshot: Snapshot | None, tensors: list[torch.Tensor],
 def _sources_of(snapshot: Snapshot | None, tensors: list[torch.Tensor],
                 specs: list[ItemSpec]) -> list[int] | None:
     """The snapshot source each tensor is the copy of, if the tensors are the snapshot's
-    copies, each once (empty ones are told apart by nothing: any empty source will do)."""
+    copies, each once (empty ones are told apart by nothing: any empty source will do). A
+    view that is not contiguous (a transpose: the copy's address and size, not its bytes'
+    order) is no copy."""
     if snapshot is None or len(tensors) != len(snapshot.placements) - sum(
             p.spec is None for p in snapshot.placements):
         return None
@@ -101,7 +103,7 @@ def _sources_of(snapshot: Snapshot | None, tensors: list[torch.Tensor],
     order: list[int] = []
     for t, spec in zip(tensors, specs, strict=True):
         k = next(empty, None) if spec.nbytes == 0 else snapshot.copies.get(t.data_ptr())
-        if k is None or sizes[k] != spec.nbytes:
+        if k is None or sizes[k] != spec.nbytes or not t.is_contiguous():
             return None
         order.append(k)
     return order if len(set(order)) == len(order) else None
