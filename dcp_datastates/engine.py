@@ -83,7 +83,8 @@ class Engine:
             or a backend object (tests inject fakes); the engine closes only a backend it made.
         io_workers: threads that keep flush and restore I/O in flight. The checksums of
             saves are computed on threads of their own, one per CPU core the process may run
-            on (``hash_workers``), at least ``io_workers``.
+            on (``hash_workers``), at least ``io_workers``; a copy's verification (a
+            persist's) on a quarter as many, so that it never holds a save's checksums up.
 
         make_arena: how host memory is mapped, ``(nbytes, name) -> Arena`` (tests inject
             slow or failing fakes).
@@ -123,6 +124,9 @@ class Engine:
         self.hash_workers = max(io_workers, len(os.sched_getaffinity(0)))
         self.hash_pool = ThreadPoolExecutor(self.hash_workers,
                                             thread_name_prefix="dcp_datastates-hash")
+        # a copy's verification (a persist's): a save's checksums never queue behind it
+        self.verify_pool = ThreadPoolExecutor(max(1, self.hash_workers // 4),
+                                              thread_name_prefix="dcp_datastates-verify")
         self.io_workers = io_workers
         self._arenas = Arenas(Pinning(self.io, self.cuda, make_arena), self.fixed_size,
                               self.check_open)
@@ -274,10 +278,11 @@ class Engine:
         self.check_open()
         return self.io_pool.submit(fn, *args)
 
-    def compute(self, fn: Callable, *args: object):
-        """Run ``fn(*args)`` on the checksum threads."""
+    def compute(self, fn: Callable, *args: object, background: bool = False):
+        """Run ``fn(*args)`` on the checksum threads, or with ``background`` (a copy's
+        verification) on the fewer threads of their own."""
         self.check_open()
-        return self.hash_pool.submit(fn, *args)
+        return (self.verify_pool if background else self.hash_pool).submit(fn, *args)
 
     # -- lifetime -------------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -304,6 +309,7 @@ class Engine:
         self.stage_pool.shutdown(wait=True)
         self.io_pool.shutdown(wait=True)
         self.hash_pool.shutdown(wait=True)
+        self.verify_pool.shutdown(wait=True)
         self._arenas.close()
         if self.cuda is not None:
             self.cuda.close()

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from dcp_datastates import DataStatesWriter, Engine, cli
 from dcp_datastates.align import ALIGN, round_up
 from dcp_datastates.host_cache import Arena, Lease
+from dcp_datastates.jobs.copy import copy_checkpoint
 
 TIMEOUT = 60
 
@@ -39,14 +40,14 @@ class GatedSumsEngine(Engine):
         super().__init__(**kw)
         self.gate = threading.Event()
 
-    def compute(self, fn: Callable, *args: object) -> Future:
+    def compute(self, fn: Callable, *args: object, background: bool = False) -> Future:
         if fn.__name__ == "_sum_pieces" and threading.current_thread().name.startswith(
                 "dcp_datastates-"):
             def gated() -> object:
                 self.gate.wait(TIMEOUT)
                 return fn(*args)
-            return super().compute(gated)
-        return super().compute(fn, *args)
+            return super().compute(gated, background=background)
+        return super().compute(fn, *args, background=background)
 
 
 class TransposingPlanner(DefaultSavePlanner):
@@ -166,11 +167,11 @@ def test_the_persist_of_a_file_truncated_meanwhile_fails_naming_it(tmp_path: Pat
         from dcp_datastates.jobs.copy import copy_checkpoint
 
         class TruncatingEngine(Engine):
-            def compute(self, fn, *args):
+            def compute(self, fn, *args, **kw):
                 if fn.__name__ == "_check":  # the source is mapped: cut it short now
                     for f in Path({str(tmp_path)!r}, "src").glob("*.safetensors"):
                         os.truncate(f, 0)
-                return super().compute(fn, *args)
+                return super().compute(fn, *args, **kw)
 
         with TruncatingEngine(host_cache_size="8MiB", io_backend="threads") as engine:
             dcp.save({{"w": torch.arange(1 << 20)}}, checkpoint_id={str(tmp_path / "src")!r},
@@ -237,3 +238,53 @@ def test_a_process_hand_off_does_not_wait_for_the_snapshots_checksums() -> None:
         pickling.join(TIMEOUT)
         engine.close()
     assert engine.live_leases() == 0
+
+
+class HeldChecksEngine(Engine):
+    """An engine whose copy checks (a persist's verification) wait for ``gate``; records
+    whether each was sent to the background threads."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.gate = threading.Event()
+        self.backgrounds: list[bool] = []
+
+    def compute(self, fn: Callable, *args: object, background: bool = False) -> Future:
+        if fn.__name__ != "_check":
+            return super().compute(fn, *args, background=background)
+        self.backgrounds.append(background)
+
+        def held() -> object:
+            self.gate.wait(TIMEOUT)
+            return fn(*args)
+        return super().compute(held, background=background)
+
+
+def test_a_save_commits_while_a_persists_checks_are_held(tmp_path: Path) -> None:
+    """A persist's verification runs on threads of its own: a save's checksums (its commit)
+    do not queue behind it on the checksum threads."""
+    engine = HeldChecksEngine(host_cache_size="8MiB", io_backend="threads", io_workers=1)
+    copying = None
+    try:
+        first = _square_state()
+        dcp.save(first, checkpoint_id=tmp_path / "src", no_dist=True,
+                 storage_writer=DataStatesWriter(engine=engine))
+        copying = threading.Thread(target=copy_checkpoint,
+                                   args=(engine, tmp_path / "src", tmp_path / "dst"))
+        copying.start()
+        second = {"m": rand_tensor((512, 512), torch.float32, seed=9)}
+        saving = threading.Thread(target=dcp.save, args=(second,), kwargs=dict(
+            checkpoint_id=tmp_path / "next", no_dist=True,
+            storage_writer=DataStatesWriter(engine=engine)))
+        saving.start()
+        saving.join(TIMEOUT / 2)
+        assert not saving.is_alive(), "the save waited for the persist's checks"
+        assert engine.backgrounds and all(engine.backgrounds), engine.backgrounds
+        assert copying.is_alive()  # its checks are still held
+        assert_state_equal(load_into(clone_state(second), tmp_path / "next"), second)
+    finally:
+        engine.gate.set()
+        if copying is not None:
+            copying.join(TIMEOUT)
+        engine.close()
+    assert cli.main(["verify", "-q", str(tmp_path / "dst")]) == 0

@@ -139,7 +139,8 @@ def _start_checks(engine: Engine, addr: int, size: int, items: list[Item],
                 load = 0
             tasks[-1].append((fqn, loc, b0, b1))
             load += b1 - b0
-    return [engine.compute(_check, addr, spans, what) for spans in tasks if spans]
+    return [engine.compute(_check, addr, spans, what, background=True)
+            for spans in tasks if spans]
 
 
 def _check(addr: int, spans: list[_Span], what: str) -> None:
