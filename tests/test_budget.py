@@ -24,7 +24,7 @@ from test_tiers import HoldWrites
 
 from dcp_datastates import CheckpointManager, guard
 from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.budget import QUIET_MIN, Budget
+from dcp_datastates.tiers.budget import QUIET_MIN, Account, Budget
 from dcp_datastates.tiers.handles import SaveHandle
 from dcp_datastates.tiers.ranks import Ranks
 
@@ -288,3 +288,15 @@ def test_a_loop_catching_up_after_a_save_is_no_slowdown(clock: FakeClock) -> Non
             save.committed.set_result(None)  # the commit ends; the loop catches up next
         budget.decide(step, None, None)
     assert save.figures.cost_s == pytest.approx(0.01)
+
+
+def test_a_skip_for_an_account_in_debt_says_so() -> None:
+    """Slowdowns charged after a cheap save leave the account owing: the reason says so
+    (not only that a save costs ~0 s, which alone reads as a contradiction)."""
+    account = Account(0.05)
+    account.settle(0.002)
+    account.spend(0.1)  # a slowdown charged to a save that was taken
+    assert not account.affords()
+    why = account.why_not()
+    assert "about 0.002 s" in why and "the account owes 0.100 s" in why, why
+    assert why.endswith("; 2.04 s more are needed"), why

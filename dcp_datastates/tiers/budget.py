@@ -105,9 +105,11 @@ class Account:
 
     def why_not(self) -> str:
         short = (self.expected - self.credit) / self.fraction
+        owed = (f" (the account owes {-self.credit:.3f} s: slowdowns charged to earlier saves)"
+                if self.credit < 0 else "")
         return (f"budget: a save costs the training thread about {self.expected:.3f} s, which "
                 f"max_overhead={self.fraction:g} earns in {self.expected / self.fraction:.2f} s "
-                f"of training; {short:.2f} s more are needed")
+                f"of training{owed}; {short:.2f} s more are needed")
 
 
 class _Flight:
