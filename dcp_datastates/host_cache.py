@@ -191,10 +191,10 @@ class Arena:
         if nbytes < ALIGN:
             raise ValueError(f"an arena needs at least {ALIGN} bytes, got {nbytes}")
         self.nbytes = round_up(nbytes)
-        if fd is not None and round_up(os.fstat(fd).st_size) < self.nbytes:
-            raise ValueError(  # a page past the file's end faults with SIGBUS when touched
-                f"cannot map {format_size(self.nbytes)} of {name}: the file holds only "
-                f"{format_size(os.fstat(fd).st_size)}")
+        held = os.fstat(fd).st_size if fd is not None else self.nbytes
+        if round_up(held) < self.nbytes:  # a page past the file's end: SIGBUS when touched
+            raise ValueError(f"cannot map {format_size(self.nbytes)} of {name}: the file holds "
+                             f"only {format_size(held)}")
         flags = mmap.MAP_SHARED if fd is not None else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         fd = -1 if fd is None else fd
         addr = _map(None, self.nbytes, flags, fd, 0, f"the {name} cache")
