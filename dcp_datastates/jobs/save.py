@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..arenas import Memory
 from ..aside import stash
+from ..cuda_copy import IssuedCopies
 from ..directory import DirectoryClaim, new_token
 from ..engine import Engine
 from ..errors import CheckpointError
@@ -35,7 +36,8 @@ from ..sizes import format_size
 from ..snapshot import (
     Snapshot,
     SnapshotTarget,
-    copy_into,
+    copies_done,
+    issue_into,
     nbytes_of,
     offsets_of,
     place_sources,
@@ -180,45 +182,46 @@ class SaveJob:
         self._copy(plan, lease)
 
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
-        """Copy the snapshot into ``lease`` (the job's already; None: a lease of the host
-        cache), then hand the staged state dict out."""
+        """Issue the snapshot's copies into ``lease`` (the job's already; None: a lease of the
+        cache); the settle thread waits for them, while this one may issue the next snapshot's."""
         try:
             if self._ended:
-                return
+                return self._settled(plan)
             held = lease if lease is not None else self.hold(self.reserve(plan.total))
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
-            staged, snapshot.overflow, self.stats.copy_s = copy_into(
+            staged, snapshot.overflow, copies = issue_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
                 plan.dtensors, self.copied.publish)
+        except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
+            self._settled(plan)
+            return self.end(exc)
+        self.engine.after_copies(self._settle, plan, snapshot, staged, copies)
+
+    def _settle(self, plan: _Plan, snapshot: Snapshot, staged: list[torch.Tensor],
+                copies: IssuedCopies | None) -> None:
+        """On the settle thread: wait for the copies' end, then hand the staged state dict out."""
+        try:
+            self.stats.copy_s = copies_done(copies)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
-            self.end(exc)
-            return
+            return self.end(exc)
         finally:
-            plan.sources.clear()  # the copies are done: the sources may be changed or freed
-            self._done_with_events(plan)
-            self.settled.set()
-        self.snapshot = snapshot
-        self._staged(staged, snapshot.overflow)
+            self._settled(plan)
+        self.snapshot, self.state = snapshot, "staged"
+        _note_staged(self.stats, staged, snapshot.overflow, self.ticket)
         self.tie.deliver(state)
         self.copied.set()  # after the staged future: a guard that waited finds it done
+
+    def _settled(self, plan: _Plan) -> None:  # no copy reads the sources or fills the lease
+        plan.sources.clear()
+        self._done_with_events(plan)
+        self.settled.set()
 
     def _done_with_events(self, plan: _Plan) -> None:
         if plan.ready is not None:
             self.engine.cuda.destroy_events(plan.ready)
             plan.ready = None
-
-    def _staged(self, staged: list[torch.Tensor], overflow: int) -> None:
-        self.state = "staged"
-        self.stats.overflow_bytes = overflow
-        self.stats.staged_bytes = sum(nbytes_of(t) for t in staged) - overflow
-        self.stats.snapshot_s = time.perf_counter() - self.stats.start
-        if overflow:
-            log.warning(
-                "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
-                "staged in pageable memory (slower); give the engine a larger host_cache_size",
-                self.ticket, format_size(overflow))
 
     def reserve(self, nbytes: int, wait: bool = True) -> Lease | None:
         """A lease of the engine's host cache (see ``Engine.reserve``)."""
@@ -341,3 +344,16 @@ def _target_lease(target: SnapshotTarget | None, plan: _Plan, ticket: int) -> Le
         log.warning("dcp_datastates: save %d: %s unusable (%s); the snapshot goes to the host "
                     "cache and is copied", ticket, target, exc)
         return None
+
+
+def _note_staged(stats: SaveStats, staged: list[torch.Tensor], overflow: int,
+                 ticket: int) -> None:
+    """Record a staged snapshot's figures in ``stats``; warn of bytes in pageable memory."""
+    stats.overflow_bytes = overflow
+    stats.staged_bytes = sum(nbytes_of(t) for t in staged) - overflow
+    stats.snapshot_s = time.perf_counter() - stats.start
+    if overflow:
+        log.warning(
+            "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
+            "staged in pageable memory (slower); give the engine a larger host_cache_size",
+            ticket, format_size(overflow))
