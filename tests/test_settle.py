@@ -87,3 +87,21 @@ def test_close_waits_for_the_settles_of_saves_it_ends(held: HeldSettles) -> None
         with pytest.raises(RuntimeError, match="engine was closed"):
             future.result(timeout=TIMEOUT)
     assert engine.live_leases() == 0
+
+
+def test_a_save_ended_while_its_copies_run_gives_its_lease_back_after_them(
+        held: HeldSettles) -> None:
+    """Ended while its copies are in flight (the engine closing, DCP abandoning the save), a
+    save keeps its lease until they are waited for: the next snapshot must not be laid over
+    memory that a copy still fills."""
+    engine = _engine(held)
+    writer = DataStatesWriter(engine=engine)
+    staged = [writer.stage(_state(seed)) for seed in (3, 4)]
+    assert held.wait_handed(2, TIMEOUT)
+    closer = _closing(engine, 0.0)
+    for future in staged:  # ended by the close
+        assert isinstance(future.exception(timeout=TIMEOUT), RuntimeError)
+    assert engine.live_leases() == 2, "a lease went back while copies into it were in flight"
+    held.gate.set()
+    closer.join(TIMEOUT)
+    assert not closer.is_alive() and engine.live_leases() == 0

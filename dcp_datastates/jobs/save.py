@@ -102,7 +102,7 @@ class SaveJob:
         self.leases: list[Lease] = []
         self._claim: DirectoryClaim | None = None
         self._lock = threading.RLock()
-        self._ended = False
+        self._ended = self._in_flight = False  # in flight: copies issued, not waited for
 
     # -- staging (async saves) ------------------------------------------------------------------
     def stage(self, state_dict: dict) -> StagedFuture:
@@ -187,11 +187,12 @@ class SaveJob:
         try:
             if self._ended:
                 return self._settled(plan)
-            held = lease if lease is not None else self.hold(self.reserve(plan.total))
+            held = lease if lease is not None else self.hold(self.engine.reserve(plan.total))
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, copies = issue_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
                 plan.dtensors, self.copied.publish)
+            self._in_flight = True  # until settled: the lease is given back after them
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
             self._settled(plan)
             return self.end(exc)
@@ -216,16 +217,13 @@ class SaveJob:
     def _settled(self, plan: _Plan) -> None:  # no copy reads the sources or fills the lease
         plan.sources.clear()
         self._done_with_events(plan)
+        self._in_flight = False
         self.settled.set()
 
     def _done_with_events(self, plan: _Plan) -> None:
         if plan.ready is not None:
             self.engine.cuda.destroy_events(plan.ready)
             plan.ready = None
-
-    def reserve(self, nbytes: int, wait: bool = True) -> Lease | None:
-        """A lease of the engine's host cache (see ``Engine.reserve``)."""
-        return self.engine.reserve(nbytes, wait=wait)
 
     def hold(self, lease: Lease | None) -> Lease | None:
         """Keep ``lease`` until the job ends (or its bytes are in the file)."""
@@ -254,10 +252,10 @@ class SaveJob:
             return
         self._claim = DirectoryClaim(directory)
         if (directory / METADATA_NAME).exists() and not overwrite:
-            raise RuntimeError(
-                f"Checkpoint already exists and overwrite=False: {directory} holds "
-                f"{METADATA_NAME}; pass overwrite=True to DataStatesWriter to replace it (the "
-                f"old checkpoint stays intact until the new one is committed)")
+            raise RuntimeError(f"Checkpoint already exists and overwrite=False: {directory} holds "
+                               f"{METADATA_NAME}; pass overwrite=True to DataStatesWriter to "
+                               "replace it (the old checkpoint stays intact until the new one "
+                               "is committed)")
 
     def flush(self, plan: SavePlan, planner: SavePlanner,
               direct_io: bool | None) -> list[WriteResult]:
@@ -281,8 +279,7 @@ class SaveJob:
         self.end(None)
 
     def hand_off(self) -> None:
-        """DCP's PROCESS checkpointer has pickled (so copied) the snapshot to its process:
-        the lease is free, and the rest of the save is that process's."""
+        """DCP's PROCESS checkpointer pickled (copied) the snapshot: the rest is its process's."""
         self.tie.caller = Caller.here()
         self.state = "handed_off"
         self.end(None)
@@ -323,14 +320,22 @@ class SaveJob:
         return bool(self.leases)
 
     def _release(self, claim: bool = True) -> None:
-        """Give back the leases and, with ``claim``, the directory claim."""
+        """Return the leases (once their checksums and copies end) and, with ``claim``, claim."""
         with self._lock:
             leases, self.leases = self.leases, []
             claim, self._claim = (self._claim, None) if claim else (None, self._claim)
-        for lease in leases:
-            lease.release()
+            later = self._in_flight
+        if later:
+            self.engine.after_copies(_give_back, leases)
+        else:
+            _give_back(leases)
         if claim is not None:
             claim.release()
+
+
+def _give_back(leases: list[Lease]) -> None:
+    for lease in leases:
+        lease.release()
 
 
 def _target_lease(target: SnapshotTarget | None, plan: _Plan, ticket: int) -> Lease | None:
