@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+import torch
+
 from dcp_datastates import Engine
 from dcp_datastates.align import ALIGN
 from dcp_datastates.host_cache import Arena
@@ -215,3 +217,29 @@ class SlowArena:
 
     def all_freed(self) -> bool:
         return all(a.freed for a in self.made)
+
+
+class NoGpuRoomEngine(Engine):
+    """An engine that finds no GPU room for a snapshot aside (``aside_fits_on_gpu`` is False,
+    even for CPU sources): a memory-tier save whose slot is not ready waits for it instead of
+    copying aside, as one of GPU sources on a full device does."""
+
+    def aside_fits_on_gpu(self, sources: list) -> bool:
+        return False
+
+
+class FakeGpuSource:
+    """What :func:`dcp_datastates.aside.fits_on_gpu` reads of a GPU tensor: its device and
+    size (``nbytes`` of uint8), no memory."""
+
+    is_cuda = True
+
+    def __init__(self, device: int, nbytes: int) -> None:
+        self.device = torch.device("cuda", device)
+        self.nbytes = nbytes
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
