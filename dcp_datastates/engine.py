@@ -21,19 +21,22 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from . import cuda_copy
 from .arenas import Arenas, MakeArena, Memory, Pinning
 from .arguments import checked_keywords
-from .aside import Aside
+from .aside import Aside, fits_on_gpu
 from .host_cache import Arena, Lease
 from .io import FALLBACK, IOBackend, make_backend
 from .sizes import parse_size
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("dcp_datastates")
 
-#: How often a wait for cache memory asks the save order whether to give up.
+#: How often a wait (for cache memory, for a snapshot target) checks whether to give up.
 POLL_S = 0.05
 #: The name of the thread that waits for snapshots' copies to end (their settle).
 SETTLE = "dcp_datastates-settle"
@@ -166,6 +169,11 @@ class Engine:
         the arena thread (at once, or once ``when`` calls back: see ``Arenas.move_aside``);
         the engine frees ``aside`` after it."""
         self._arenas.move_aside(aside, fn, *args, when=when, failed=failed)
+
+    def aside_fits_on_gpu(self, sources: list[torch.Tensor]) -> bool:
+        """Whether a copy aside of ``sources`` now keeps every GPU source on the GPU (none in
+        pageable host memory, where it is slow: ``aside.fits_on_gpu``)."""
+        return fits_on_gpu(sources, self.cuda)
 
     def aside_bytes(self) -> int:
         """Bytes of snapshots waiting aside for the cache (0 once it is ready and they moved)."""
@@ -317,11 +325,10 @@ class Engine:
             work, self._work = [*self._work, *([self.saves] if self.saves else [])], []
         for w in work:
             w.end()
-        self.stage_pool.shutdown(wait=True)
-        self.settle_pool.shutdown(wait=True)  # after the staging thread: it hands copies here
-        self.io_pool.shutdown(wait=True)
-        self.hash_pool.shutdown(wait=True)
-        self.verify_pool.shutdown(wait=True)
+        # the settle thread after the staging thread: it hands copies there
+        for pool in (self.stage_pool, self.settle_pool, self.io_pool, self.hash_pool,
+                     self.verify_pool):
+            pool.shutdown(wait=True)
         self._arenas.close()
         if self.cuda is not None:
             self.cuda.close()

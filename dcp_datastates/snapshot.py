@@ -42,7 +42,8 @@ class SnapshotTarget(Protocol):
     save's data file in place (a memory-tier slot). A lease it gives starts where the file's
     data starts (``lease.offset``; the header goes before it). ``str()`` names it in logs.
     ``pinned``: whether it is ready now, sized and pinned (if not, the snapshot is copied
-    aside at once, and the target is sized and filled off the training's path)."""
+    aside at once, and the target is sized and filled off the training's path; or, where the
+    copy aside would go to pageable memory, the staging thread waits for :meth:`when_ready`)."""
 
     pinned: bool
 

@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from dcp_datastates import Engine
 from dcp_datastates.align import ALIGN
 from dcp_datastates.host_cache import Arena
@@ -244,3 +246,29 @@ class HeldSettles(ThreadPoolExecutor):
     def _held(self, fn: Callable, *args: object, **kwargs: object) -> object:
         self.gate.wait(self.limit_s)
         return fn(*args, **kwargs)
+
+
+class NoGpuRoomEngine(Engine):
+    """An engine that finds no GPU room for a snapshot aside (``aside_fits_on_gpu`` is False,
+    even for CPU sources): a memory-tier save whose slot is not ready waits for it instead of
+    copying aside, as one of GPU sources on a full device does."""
+
+    def aside_fits_on_gpu(self, sources: list) -> bool:
+        return False
+
+
+class FakeGpuSource:
+    """What :func:`dcp_datastates.aside.fits_on_gpu` reads of a GPU tensor: its device and
+    size (``nbytes`` of uint8), no memory."""
+
+    is_cuda = True
+
+    def __init__(self, device: int, nbytes: int) -> None:
+        self.device = torch.device("cuda", device)
+        self.nbytes = nbytes
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1

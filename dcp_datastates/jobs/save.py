@@ -27,7 +27,7 @@ from ..arenas import Memory
 from ..aside import stash
 from ..cuda_copy import IssuedCopies
 from ..directory import DirectoryClaim, new_token
-from ..engine import Engine
+from ..engine import POLL_S, Engine
 from ..errors import CheckpointError
 from ..file_format import Placement
 from ..host_cache import Lease
@@ -131,12 +131,13 @@ class SaveJob:
                ready: dict | None) -> None:
         """On the staging thread: copy the snapshot into its target or the host cache. While
         the cache is being made, or the target is not ready (sized and pinned), copy it aside
-        and move it in on the arena thread."""
+        and move it in on the arena thread (or wait for the target: :func:`_waited`)."""
         plan = _Plan(skeleton, sources, dtensors, ready)
         try:
             plan.placements = place_sources(sources)
             plan.offsets, plan.total = offsets_of(plan.placements, len(sources))
-            if self.target is not None and not self.target.pinned and plan.total > 0:
+            if self.target is not None and not self.target.pinned and plan.total > 0 \
+                    and not _waited(self, sources):
                 self._stage_aside(plan, self._into_target, f"{self.target} is not ready yet")
                 return
             lease = self.hold(_target_lease(self.target, plan, self.ticket))
@@ -336,6 +337,28 @@ class SaveJob:
 def _give_back(leases: list[Lease]) -> None:
     for lease in leases:
         lease.release()
+
+
+def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
+    """On the staging thread, for ``job``'s target not ready: False where a copy aside keeps
+    the snapshot's GPU sources on the GPU (the job copies it aside). Else (one would go to
+    pageable memory, slow) wait for the target, and True once it can be leased (or its pool
+    closed: the lease then falls back to the host cache): the training's guard waits about
+    one commit with it rather than for that copy. Raises once the job has ended meanwhile."""
+    if job.engine.aside_fits_on_gpu(sources):
+        return False
+    ready, start = threading.Event(), time.perf_counter()
+    job.target.when_ready(ready.set)
+    if not ready.is_set():
+        log.info("dcp_datastates: save %d: %s is not ready yet and the GPU has no room to "
+                 "keep the snapshot aside; the snapshot waits for it", job.ticket, job.target)
+        while not ready.wait(POLL_S):
+            if job.ended:
+                raise CheckpointError(f"save {job.ticket} ended while it waited for "
+                                      f"{job.target}")
+        log.info("dcp_datastates: save %d waited %.3f s for %s", job.ticket,
+                 time.perf_counter() - start, job.target)
+    return True
 
 
 def _target_lease(target: SnapshotTarget | None, plan: _Plan, ticket: int) -> Lease | None:
