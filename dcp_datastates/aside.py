@@ -5,7 +5,9 @@ The first save of a process finds no host cache: mapping, populating and pinning
 at once: GPU tensors into one GPU buffer per device (a device-to-device copy, the fastest
 there is) where the device has room to spare, else into pageable host memory, as CPU tensors
 are. Training may change the sources as soon as it returns; the job moves the copies into the
-cache once it is ready and then calls :meth:`Aside.free`.
+cache once it is ready and then calls :meth:`Aside.free`. A copy of a GPU source into pageable
+memory is slow (about 1.5 GiB/s): :func:`fits_on_gpu` tells a job whether it would come to that
+(a save into a memory-tier slot then waits for its slot instead).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ GPU_HEADROOM = 0.1
 _ALIGN = 256
 #: Where host copies go (a place is a device index, or this for pageable host memory).
 HOST = -1
+#: A device's (free, total) bytes, as ``torch.cuda.mem_get_info`` gives them.
+MemInfo = Callable[[int], tuple[int, int]]
 
 
 @dataclass
@@ -57,7 +61,7 @@ def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
     A GPU buffer is made where ``gpu_headroom`` of the device's memory stays free after it.
     ``issued``: as in :meth:`CudaCopier.copy`, for the copies on the GPU (made last: the
     copies into pageable memory are over by then)."""
-    places = _places(sources, cuda, gpu_headroom)
+    places = _places(sources, cuda, gpu_headroom, torch.cuda.mem_get_info)
     offsets, sizes = _pack(sources, places)
     buffers = {p: torch.empty(n, dtype=torch.uint8,
                               device="cpu" if p == HOST else torch.device("cuda", p))
@@ -84,21 +88,30 @@ def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
     return aside
 
 
-def _places(sources: list[torch.Tensor], cuda: CudaCopier | None,
-            headroom: float) -> list[int]:
+def fits_on_gpu(sources: list[torch.Tensor], cuda: CudaCopier | None,
+                headroom: float = GPU_HEADROOM, mem_info: MemInfo | None = None) -> bool:
+    """Whether :func:`stash` would keep every GPU source of ``sources`` on its device (none
+    in pageable host memory; CPU sources do not count). ``mem_info``: a device's free and
+    total bytes (``torch.cuda.mem_get_info`` by default)."""
+    places = _places(sources, cuda, headroom, mem_info or torch.cuda.mem_get_info)
+    return all(p != HOST for src, p in zip(sources, places, strict=True) if src.is_cuda)
+
+
+def _places(sources: list[torch.Tensor], cuda: CudaCopier | None, headroom: float,
+            mem_info: MemInfo) -> list[int]:
     """Each source's place: its device where cuda-python copies it and the device has room
     for all of that device's sources, else :data:`HOST`."""
     need: dict[int, int] = {}
     for src in sources:
         if src.is_cuda and cuda is not None:
             need[src.device.index] = need.get(src.device.index, 0) + _padded(src)
-    room = {d: _has_room(d, n, headroom) for d, n in need.items()}
+    room = {d: _has_room(mem_info(d), n, headroom) for d, n in need.items()}
     return [src.device.index if src.is_cuda and room.get(src.device.index) else HOST
             for src in sources]
 
 
-def _has_room(device: int, nbytes: int, headroom: float) -> bool:
-    free, total = torch.cuda.mem_get_info(device)
+def _has_room(info: tuple[int, int], nbytes: int, headroom: float) -> bool:
+    free, total = info
     return free - nbytes >= headroom * total
 
 

@@ -138,15 +138,22 @@ class CudaCopier:
 
     def copy(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None,
              issued: Callable[[dict[int, object] | None], None] | None = None) -> float:
-        """Run ``copies`` on the side streams and wait for them; return the seconds the copies
-        took on the GPU (the slowest device; from the first byte, so not the wait for
-        ``after``).
+        """:meth:`issue` ``copies`` and wait for them; return the seconds they took on the GPU
+        (see :meth:`IssuedCopies.wait`)."""
+        return self.issue(copies, kind, after, issued).wait()
+
+    def issue(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None,
+              issued: Callable[[dict[int, object] | None], None] | None = None
+              ) -> IssuedCopies:
+        """Issue ``copies`` on the side streams; the caller waits for them with
+        :meth:`IssuedCopies.wait` (exactly once) before it lets their memory go.
 
         ``kind`` is ``"d2h"``, ``"h2d"`` or ``"d2d"`` (within one device); ``after`` holds
-        events the copies must wait for (the caller destroys them). ``issued`` is called with
-        an event per device recorded behind the copies once all are issued (work queued after
-        them on the GPU runs after the copies), and with None once they are done, before the
-        events are destroyed.
+        events the copies must wait for (the caller destroys them once this returns).
+        ``issued`` is called with an event per device recorded behind the copies once all are
+        issued (work queued after them on the GPU runs after the copies), and with None once
+        they are done, before the events are destroyed. Where issuing fails, what was issued
+        is waited for before this raises.
         """
         direction = getattr(cudart.cudaMemcpyKind, _KINDS[kind])
         by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
@@ -157,8 +164,7 @@ class CudaCopier:
                 continue
             for at, n in _pieces(host, nbytes):  # within one registration each
                 by_device[device].append((dst + at - host, src + at - host, n))
-        spans: list[tuple[object, object, object | None]] = []  # (stream, start, done)
-        published = None
+        pending = IssuedCopies()
         try:
             for device, batch in by_device.items():
                 stream = self.stream(device)
@@ -166,18 +172,20 @@ class CudaCopier:
                 if after and device in after:
                     _check(cudart.cudaStreamWaitEvent(stream, after[device], 0),
                            "cudaStreamWaitEvent")
-                spans.append((stream, _event(stream), None))
+                pending.spans.append((stream, _event(stream), None))
                 if len(batch) == 1 or not self._copy_batch(batch, stream):
                     for dst, src, nbytes in batch:
                         _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
                                "cudaMemcpyAsync")
-                spans[-1] = (stream, spans[-1][1], _event(stream))
+                pending.spans[-1] = (stream, pending.spans[-1][1], _event(stream))
             if issued is not None:
-                published = issued
-                issued(dict(zip(by_device, (done for _, _, done in spans), strict=True)))
-        finally:  # never return while a copy that was issued may still run
-            seconds = _settle(spans, published)
-        return seconds
+                pending.published = issued
+                issued(dict(zip(by_device, (done for _, _, done in pending.spans),
+                                strict=True)))
+        except BaseException:  # never raise while a copy that was issued may still run
+            pending.wait()
+            raise
+        return pending
 
     @staticmethod
     def wait_current(events: dict[int, object]) -> None:
@@ -217,23 +225,32 @@ def _event(stream: object) -> object:
     return event
 
 
-def _settle(spans: list[tuple[object, object, object | None]],
-            published: Callable[[None], None] | None) -> float:
-    """Wait for each (stream, start, done) span's copies, take back the ``published`` done
-    events, destroy the events; the longest span in seconds (a stream whose copies were not
-    all issued is waited for in full)."""
-    longest = 0.0
-    for stream, start, done in spans:
-        if done is not None:
-            cudart.cudaEventSynchronize(done)
-            err, ms = cudart.cudaEventElapsedTime(start, done)
-            if err == cudart.cudaError_t.cudaSuccess:
-                longest = max(longest, ms / 1e3)
-        else:
-            cudart.cudaStreamSynchronize(stream)
-    if published is not None:
-        published(None)
-    for _, start, done in spans:
-        for event in (start, done) if done is not None else (start,):
-            cudart.cudaEventDestroy(event)
-    return longest
+class IssuedCopies:
+    """Copies issued by :meth:`CudaCopier.issue`: (stream, start, done) events per device, and
+    the ``issued`` callback they were published to."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[object, object, object | None]] = []
+        self.published: Callable[[None], None] | None = None
+
+    def wait(self) -> float:
+        """Wait for each span's copies, take back the published events, destroy the events
+        (once: later calls return 0.0); the longest span in seconds (a stream whose copies
+        were not all issued is waited for in full)."""
+        spans, self.spans = self.spans, []
+        longest = 0.0
+        for stream, start, done in spans:
+            if done is not None:
+                cudart.cudaEventSynchronize(done)
+                err, ms = cudart.cudaEventElapsedTime(start, done)
+                if err == cudart.cudaError_t.cudaSuccess:
+                    longest = max(longest, ms / 1e3)
+            else:
+                cudart.cudaStreamSynchronize(stream)
+        published, self.published = self.published, None
+        if published is not None:
+            published(None)
+        for _, start, done in spans:
+            for event in (start, done) if done is not None else (start,):
+                cudart.cudaEventDestroy(event)
+        return longest

@@ -20,21 +20,26 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from . import cuda_copy
 from .arenas import Arenas, MakeArena, Memory, Pinning
 from .arguments import checked_keywords
-from .aside import Aside
+from .aside import Aside, fits_on_gpu
 from .host_cache import Arena, Lease
 from .io import FALLBACK, IOBackend, make_backend
 from .sizes import parse_size
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("dcp_datastates")
 
-#: How often a wait for cache memory asks the save order whether to give up.
+#: How often a wait (for cache memory, for a snapshot target) checks whether to give up.
 POLL_S = 0.05
+#: The name of the thread that waits for snapshots' copies to end (their settle).
+SETTLE = "dcp_datastates-settle"
 
 
 class Work(Protocol):
@@ -85,9 +90,9 @@ class Engine:
             saves are computed on threads of their own, one per CPU core the process may run
             on (``hash_workers``), at least ``io_workers``; a copy's verification (a
             persist's) on a quarter as many, so that it never holds a save's checksums up.
-
         make_arena: how host memory is mapped, ``(nbytes, name) -> Arena`` (tests inject
             slow or failing fakes).
+        settle_pool: the thread waiting for copies to end (tests inject one; close() ends it).
 
     The snapshot cache is mapped, pinned and registered on the engine's arena thread, never on
     a thread a save waits for: the first save (or one larger than the cache) copies its
@@ -102,6 +107,7 @@ class Engine:
         io_backend: str | IOBackend = "auto",
         io_workers: int = 8,
         make_arena: MakeArena = Arena,
+        settle_pool: Executor | None = None,
     ) -> None:
         if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
             raise ValueError(f"io_workers must be an integer >= 1, got {io_workers!r}")
@@ -119,6 +125,7 @@ class Engine:
         if (why := cuda_copy.why_unavailable()) is not None:
             log.warning("dcp_datastates: %s", why)
         self.stage_pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
+        self.settle_pool = settle_pool or ThreadPoolExecutor(1, thread_name_prefix=SETTLE)
         self.io_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-io")
         # checksums: never queued behind long writes (a persist's) on the I/O threads
         self.hash_workers = max(io_workers, len(os.sched_getaffinity(0)))
@@ -162,6 +169,11 @@ class Engine:
         the arena thread (at once, or once ``when`` calls back: see ``Arenas.move_aside``);
         the engine frees ``aside`` after it."""
         self._arenas.move_aside(aside, fn, *args, when=when, failed=failed)
+
+    def aside_fits_on_gpu(self, sources: list[torch.Tensor]) -> bool:
+        """Whether a copy aside of ``sources`` now keeps every GPU source on the GPU (none in
+        pageable host memory, where it is slow: ``aside.fits_on_gpu``)."""
+        return fits_on_gpu(sources, self.cuda)
 
     def aside_bytes(self) -> int:
         """Bytes of snapshots waiting aside for the cache (0 once it is ready and they moved)."""
@@ -278,6 +290,13 @@ class Engine:
         self.check_open()
         return self.io_pool.submit(fn, *args)
 
+    def after_copies(self, fn: Callable, *args: object) -> None:
+        """Run ``fn(*args)`` (a wait for copies) on the settle thread, in order, or here."""
+        try:
+            self.settle_pool.submit(fn, *args)
+        except RuntimeError:  # shut down by close(): no copy may be left unwaited for
+            fn(*args)
+
     def compute(self, fn: Callable, *args: object, background: bool = False):
         """Run ``fn(*args)`` on the checksum threads, or with ``background`` (a copy's
         verification) on the fewer threads of their own."""
@@ -306,10 +325,10 @@ class Engine:
             work, self._work = [*self._work, *([self.saves] if self.saves else [])], []
         for w in work:
             w.end()
-        self.stage_pool.shutdown(wait=True)
-        self.io_pool.shutdown(wait=True)
-        self.hash_pool.shutdown(wait=True)
-        self.verify_pool.shutdown(wait=True)
+        # the settle thread after the staging thread: it hands copies there
+        for pool in (self.stage_pool, self.settle_pool, self.io_pool, self.hash_pool,
+                     self.verify_pool):
+            pool.shutdown(wait=True)
         self._arenas.close()
         if self.cuda is not None:
             self.cuda.close()

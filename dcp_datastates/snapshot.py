@@ -1,15 +1,15 @@
 """Snapshots: a state dict's tensors copied into one lease, laid out as the data file lays them.
 
 ``walk`` runs on the caller's thread and only records the structure (tensors become
-references); ``copy_into`` runs on the engine's staging thread: every tensor gets the place the
+references); ``issue_into`` runs on the engine's staging thread: every tensor gets the place the
 data file will give it (:func:`~dcp_datastates.file_format.place_tensors`, kept in the
 :class:`Snapshot` and reused by the flush), so a lease is an image of the file's tensor data
 and the flush writes it in a few large requests; small tensors share the lease instead of
 taking a 4 KiB region each. A snapshot goes to a lease of the engine's host cache, or to a
 :class:`SnapshotTarget` (a memory-tier slot) whose memory becomes the data file in place.
-GPU tensors are copied on a side stream after an event recorded by ``walk``'s caller; CPU
-tensors with ``memmove`` (small) or torch (large). What does not fit in the lease goes to
-pageable memory.
+GPU tensors are copied on a side stream after an event recorded by ``walk``'s caller (waited
+for by :func:`copies_done`, on the engine's settle thread); CPU tensors with ``memmove``
+(small) or torch (large). What does not fit in the lease goes to pageable memory.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from .cuda_copy import Copy, CudaCopier
+from .cuda_copy import Copy, CudaCopier, IssuedCopies
 from .file_format import ItemSpec, Placement, place_tensors
 from .host_cache import Lease
 
@@ -42,7 +42,8 @@ class SnapshotTarget(Protocol):
     save's data file in place (a memory-tier slot). A lease it gives starts where the file's
     data starts (``lease.offset``; the header goes before it). ``str()`` names it in logs.
     ``pinned``: whether it is ready now, sized and pinned (if not, the snapshot is copied
-    aside at once, and the target is sized and filled off the training's path)."""
+    aside at once, and the target is sized and filled off the training's path; or, where the
+    copy aside would go to pageable memory, the staging thread waits for :meth:`when_ready`)."""
 
     pinned: bool
 
@@ -170,12 +171,34 @@ def copy_into(
     own_storage: set[int] = frozenset(),
     issued: Callable[[dict[int, object] | None], None] | None = None,
 ) -> tuple[list[torch.Tensor], int, float | None]:
-    """Copy ``sources`` into ``lease`` at ``offsets``; return the copies, the bytes that did
-    not fit (staged in pageable memory instead) and the seconds the GPU copies took on the GPU
-    (None: none made with cuda-python). Gaps in the lease are zeroed. ``issued``: as in
-    :meth:`CudaCopier.copy` (CPU sources are copied by then). Sources numbered in
-    ``own_storage`` (DTensor locals) get a storage of their own: torch pickles a DTensor whose
-    local tensor sits at a storage offset as a plain tensor.
+    """:func:`issue_into` and wait for the copies: the copies, the bytes that did not fit and
+    the seconds the GPU copies took on the GPU (None: none made with cuda-python)."""
+    staged, overflow, copies = issue_into(lease, sources, offsets, cuda, ready, own_storage,
+                                          issued)
+    return staged, overflow, copies_done(copies)
+
+
+def copies_done(copies: IssuedCopies | None) -> float | None:
+    """Wait for the GPU copies of :func:`issue_into`; the seconds they took on the GPU (None:
+    none made with cuda-python)."""
+    return copies.wait() if copies is not None else None
+
+
+def issue_into(
+    lease: Lease | None,
+    sources: list[torch.Tensor],
+    offsets: list[int],
+    cuda: CudaCopier | None,
+    ready: dict[int, object] | None,
+    own_storage: set[int] = frozenset(),
+    issued: Callable[[dict[int, object] | None], None] | None = None,
+) -> tuple[list[torch.Tensor], int, IssuedCopies | None]:
+    """Copy ``sources`` into ``lease`` at ``offsets`` (GPU ones: issued); return the copies,
+    the bytes that did not fit (staged in pageable memory instead) and the GPU copies in flight
+    (None: none; wait with :func:`copies_done` before the sources or the copies' memory go).
+    Gaps in the lease are zeroed. ``issued``: see :meth:`CudaCopier.issue`. Sources numbered
+    in ``own_storage`` (DTensor locals) get a storage of their own: torch pickles a DTensor
+    whose local tensor sits at a storage offset as a plain tensor.
     """
     base = lease.storage() if lease is not None else None
     staged: list[torch.Tensor] = []
@@ -209,8 +232,8 @@ def copy_into(
             dst.copy_(src)
     if lease is not None:
         _zero_gaps(lease, filled)
-    device_s = cuda.copy(gpu, "d2h", after=ready, issued=issued) if gpu else None
-    return staged, overflow, device_s
+    copies = cuda.issue(gpu, "d2h", after=ready, issued=issued) if gpu else None
+    return staged, overflow, copies
 
 
 def _zero_gaps(lease: Lease, filled: list[tuple[int, int]]) -> None:

@@ -122,6 +122,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """Whether the latest snapshot's copies are over (True where none was staged)."""
         return self._last is None or self._last.copied.is_set()
 
+    def snapshot_issued(self) -> bool:
+        """Whether :meth:`order_after_snapshot` returns at once: the latest snapshot's copies
+        are over, or issued on the GPU (True where none was staged)."""
+        return self._last is None or self._last.copied.passable()
+
     def order_after_snapshot(self) -> None:
         """Hold the work the calling thread queues next until the latest snapshot's copies
         are done: on the GPU where they were issued there (see

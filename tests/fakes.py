@@ -1,6 +1,6 @@
 """Fakes passed to the code under test through its constructors: fault-injecting I/O backends,
-a slow host cache, and the clock and costs that drive the overhead budget of
-``CheckpointManager``."""
+a slow host cache, a settle thread that holds snapshots' hand-out, and the clock and costs that
+drive the overhead budget of ``CheckpointManager``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from dcp_datastates import Engine
 from dcp_datastates.align import ALIGN
@@ -215,3 +218,57 @@ class SlowArena:
 
     def all_freed(self) -> bool:
         return all(a.freed for a in self.made)
+
+
+class HeldSettles(ThreadPoolExecutor):
+    """An engine's settle thread (``Engine(settle_pool=HeldSettles())``) that holds every
+    settle (the wait for a snapshot's copies, then its hand-out) until ``gate`` is set, and
+    counts those handed to it: a snapshot is counted once its copies are issued."""
+
+    def __init__(self, limit_s: float = 60.0) -> None:
+        super().__init__(1, thread_name_prefix="dcp_datastates-settle")
+        self.gate = threading.Event()
+        self.limit_s = limit_s
+        self.handed = 0
+        self._handed = threading.Condition()
+
+    def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> Future:
+        with self._handed:
+            self.handed += 1
+            self._handed.notify_all()
+        return super().submit(self._held, fn, *args, **kwargs)
+
+    def wait_handed(self, count: int, timeout: float) -> bool:
+        """Block until ``count`` settles were handed over (False: ``timeout`` passed first)."""
+        with self._handed:
+            return self._handed.wait_for(lambda: self.handed >= count, timeout)
+
+    def _held(self, fn: Callable, *args: object, **kwargs: object) -> object:
+        self.gate.wait(self.limit_s)
+        return fn(*args, **kwargs)
+
+
+class NoGpuRoomEngine(Engine):
+    """An engine that finds no GPU room for a snapshot aside (``aside_fits_on_gpu`` is False,
+    even for CPU sources): a memory-tier save whose slot is not ready waits for it instead of
+    copying aside, as one of GPU sources on a full device does."""
+
+    def aside_fits_on_gpu(self, sources: list) -> bool:
+        return False
+
+
+class FakeGpuSource:
+    """What :func:`dcp_datastates.aside.fits_on_gpu` reads of a GPU tensor: its device and
+    size (``nbytes`` of uint8), no memory."""
+
+    is_cuda = True
+
+    def __init__(self, device: int, nbytes: int) -> None:
+        self.device = torch.device("cuda", device)
+        self.nbytes = nbytes
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1

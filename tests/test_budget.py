@@ -173,6 +173,26 @@ def test_a_save_while_the_previous_snapshot_copies_is_skipped(clock: FakeClock) 
     assert [f.step for f in history] == [1] and history[0].skipped
 
 
+def test_a_save_after_the_previous_snapshot_is_issued_on_the_gpu_is_taken(
+        clock: FakeClock) -> None:
+    """Copies issued on the GPU hold the training's next work there, not the training thread:
+    the next save does not wait for them to end."""
+    history: list = []
+    budget = Budget(0.5, clock, Ranks(0, 1, None), history)
+    issued = [False]
+    first = SaveHandle(0, Future(), Future(), copies_issued=lambda: issued[0])
+    assert budget.decide(0, None, None) is None
+    budget.taken(first)
+    clock.now += 10.0
+    copying = budget.decide(1, None, None)
+    assert copying is not None and copying.reason == "the snapshot of step 0 is still copying"
+    issued[0] = True
+    clock.now += 10.0
+    assert budget.decide(2, None, None) is None  # taken, its copies still running
+    assert not first.staged.done()
+    assert [f.step for f in history] == [1]
+
+
 def test_a_save_with_no_slot_free_is_skipped(tiers: Tiers, clock: FakeClock, logs) -> None:
     """Commits held back keep the slots (keep_memory=1: 4 of them): the fifth save finds none
     free and is skipped (it would be copied into the tier), not copied; saves cost nothing."""

@@ -84,3 +84,14 @@ def test_copies_issued_after_the_fence_is_set_make_no_stream_wait() -> None:
     fence.publish(None)  # the move's copies done: taken back as usual
     fence.order(waiter)
     assert waiter.waited == []
+
+
+def test_passable_while_the_events_are_published_or_once_set() -> None:
+    fence = CopyFence()
+    assert not fence.passable()
+    fence.publish({0: "event0"})
+    assert fence.passable()  # the guard would return at once
+    fence.publish(None)
+    assert not fence.passable()  # taken back: the guard would wait on the CPU
+    fence.set()
+    assert fence.passable()

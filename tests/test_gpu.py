@@ -186,6 +186,46 @@ def test_back_to_back_async_saves_queue_safely(tmp_path, engine_of) -> None:
         assert_same(out, want)
 
 
+def test_next_snapshot_is_issued_while_the_previous_one_settles(tmp_path) -> None:
+    """The staging thread issues the second snapshot's copies while the first one's settle
+    (the wait for its copies' end) is held: the guard queues work behind both on the GPU at
+    once, and each checkpoint holds its own bytes, with the copies' GPU time."""
+    from fakes import HeldSettles
+
+    held = HeldSettles()
+    engine = Engine(host_cache_size="1GiB", settle_pool=held)
+    try:
+        engine.reserve(256 << 20).release()  # the cache is made: no snapshot waits aside
+        writer = DataStatesWriter(engine=engine)
+        states = [gpu_state(30 + i) for i in range(2)]
+        expected = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                    for s in states]
+        responses = [dcp.async_save(s, checkpoint_id=tmp_path / f"ck{i}", storage_writer=writer,
+                                    no_dist=True) for i, s in enumerate(states)]
+        assert held.wait_handed(2, 60)
+        assert not responses[0].staging_completion.done()
+        assert writer.snapshot_issued()
+        engine.order_after_snapshots()  # returns at once: the GPU holds what comes next
+        for state in states:
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.is_cuda \
+                        and v.dtype.itemsize > 1:
+                    v.add_(1.0)  # queued behind both snapshots' copies
+        held.gate.set()
+        for i, resp in enumerate(responses):
+            resp.upload_completion.result()
+            out = fresh_like(expected[i])
+            dcp.load(out, checkpoint_id=tmp_path / f"ck{i}", storage_reader=DataStatesReader(),
+                     no_dist=True)
+            assert_same(out, expected[i])
+        st = writer.last_stats()
+        assert 0 < st.copy_s <= st.snapshot_s, (st.copy_s, st.snapshot_s)
+    finally:
+        held.gate.set()
+        engine.close()
+    assert engine.live_leases() == 0
+
+
 def test_sync_save_of_gpu_state_and_load_into_strided_gpu_target(tmp_path, engine_of) -> None:
     state = {"w": torch.randn(512, 256, device="cuda")}
     dcp.save(state, checkpoint_id=tmp_path / "ck",

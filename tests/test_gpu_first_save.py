@@ -82,6 +82,7 @@ def test_guard_queues_step_behind_the_copy_aside_on_the_gpu(tmp_path) -> None:
                               storage_writer=writer)
         opt.step()
         assert not writer.snapshot_copied(), "the guard waited for the copy aside on the CPU"
+        assert writer.snapshot_issued()  # a budget takes the next save at once
         assert any(not torch.equal(saved[k], v) for k, v in state.items())  # after the copy
         slow.gate.set()
         resp.upload_completion.result(TIMEOUT)

@@ -36,6 +36,12 @@ class CopyFence:
     def is_set(self) -> bool:
         return self._done.is_set()
 
+    def passable(self) -> bool:
+        """Whether :meth:`order` returns at once (with a waiter): the copies are over, or the
+        events behind them are published (and not yet taken back)."""
+        with self._lock:
+            return self._done.is_set() or self._events is not None
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the copies are over."""
         return self._done.wait(timeout)

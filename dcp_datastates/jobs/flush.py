@@ -188,7 +188,7 @@ def _host_copies(job: SaveJob, tensors: list[torch.Tensor],
     sources = [tensors[k].contiguous() for k in gpu]
     base = min(offsets[k] for k in gpu)
     end = max(offsets[k] + nbytes_of(tensors[k]) for k in gpu)
-    lease = job.hold(job.reserve(end - base + base % 4096, wait=False))
+    lease = job.hold(job.engine.reserve(end - base + base % 4096, wait=False))
     shift = base - base % 4096  # keep the file's alignment inside the lease
     cuda = job.engine.cuda
     devices = {t.device.index for t in sources}

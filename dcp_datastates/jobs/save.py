@@ -25,8 +25,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..arenas import Memory
 from ..aside import stash
+from ..cuda_copy import IssuedCopies
 from ..directory import DirectoryClaim, new_token
-from ..engine import Engine
+from ..engine import POLL_S, Engine
 from ..errors import CheckpointError
 from ..file_format import Placement
 from ..host_cache import Lease
@@ -35,7 +36,8 @@ from ..sizes import format_size
 from ..snapshot import (
     Snapshot,
     SnapshotTarget,
-    copy_into,
+    copies_done,
+    issue_into,
     nbytes_of,
     offsets_of,
     place_sources,
@@ -100,7 +102,7 @@ class SaveJob:
         self.leases: list[Lease] = []
         self._claim: DirectoryClaim | None = None
         self._lock = threading.RLock()
-        self._ended = False
+        self._ended = self._in_flight = False  # in flight: copies issued, not waited for
 
     # -- staging (async saves) ------------------------------------------------------------------
     def stage(self, state_dict: dict) -> StagedFuture:
@@ -129,12 +131,13 @@ class SaveJob:
                ready: dict | None) -> None:
         """On the staging thread: copy the snapshot into its target or the host cache. While
         the cache is being made, or the target is not ready (sized and pinned), copy it aside
-        and move it in on the arena thread."""
+        and move it in on the arena thread (or wait for the target: :func:`_waited`)."""
         plan = _Plan(skeleton, sources, dtensors, ready)
         try:
             plan.placements = place_sources(sources)
             plan.offsets, plan.total = offsets_of(plan.placements, len(sources))
-            if self.target is not None and not self.target.pinned and plan.total > 0:
+            if self.target is not None and not self.target.pinned and plan.total > 0 \
+                    and not _waited(self, sources):
                 self._stage_aside(plan, self._into_target, f"{self.target} is not ready yet")
                 return
             lease = self.hold(_target_lease(self.target, plan, self.ticket))
@@ -180,49 +183,48 @@ class SaveJob:
         self._copy(plan, lease)
 
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
-        """Copy the snapshot into ``lease`` (the job's already; None: a lease of the host
-        cache), then hand the staged state dict out."""
+        """Issue the snapshot's copies into ``lease`` (the job's already; None: a lease of the
+        cache); the settle thread waits for them, while this one may issue the next snapshot's."""
         try:
             if self._ended:
-                return
-            held = lease if lease is not None else self.hold(self.reserve(plan.total))
+                return self._settled(plan)
+            held = lease if lease is not None else self.hold(self.engine.reserve(plan.total))
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
-            staged, snapshot.overflow, self.stats.copy_s = copy_into(
+            staged, snapshot.overflow, copies = issue_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
                 plan.dtensors, self.copied.publish)
+            self._in_flight = True  # until settled: the lease is given back after them
+        except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
+            self._settled(plan)
+            return self.end(exc)
+        self.engine.after_copies(self._settle, plan, snapshot, staged, copies)
+
+    def _settle(self, plan: _Plan, snapshot: Snapshot, staged: list[torch.Tensor],
+                copies: IssuedCopies | None) -> None:
+        """On the settle thread: wait for the copies' end, then hand the staged state dict out."""
+        try:
+            self.stats.copy_s = copies_done(copies)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
-            self.end(exc)
-            return
+            return self.end(exc)
         finally:
-            plan.sources.clear()  # the copies are done: the sources may be changed or freed
-            self._done_with_events(plan)
-            self.settled.set()
-        self.snapshot = snapshot
-        self._staged(staged, snapshot.overflow)
+            self._settled(plan)
+        self.snapshot, self.state = snapshot, "staged"
+        _note_staged(self.stats, staged, snapshot.overflow, self.ticket)
         self.tie.deliver(state)
         self.copied.set()  # after the staged future: a guard that waited finds it done
+
+    def _settled(self, plan: _Plan) -> None:  # no copy reads the sources or fills the lease
+        plan.sources.clear()
+        self._done_with_events(plan)
+        self._in_flight = False
+        self.settled.set()
 
     def _done_with_events(self, plan: _Plan) -> None:
         if plan.ready is not None:
             self.engine.cuda.destroy_events(plan.ready)
             plan.ready = None
-
-    def _staged(self, staged: list[torch.Tensor], overflow: int) -> None:
-        self.state = "staged"
-        self.stats.overflow_bytes = overflow
-        self.stats.staged_bytes = sum(nbytes_of(t) for t in staged) - overflow
-        self.stats.snapshot_s = time.perf_counter() - self.stats.start
-        if overflow:
-            log.warning(
-                "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
-                "staged in pageable memory (slower); give the engine a larger host_cache_size",
-                self.ticket, format_size(overflow))
-
-    def reserve(self, nbytes: int, wait: bool = True) -> Lease | None:
-        """A lease of the engine's host cache (see ``Engine.reserve``)."""
-        return self.engine.reserve(nbytes, wait=wait)
 
     def hold(self, lease: Lease | None) -> Lease | None:
         """Keep ``lease`` until the job ends (or its bytes are in the file)."""
@@ -251,10 +253,10 @@ class SaveJob:
             return
         self._claim = DirectoryClaim(directory)
         if (directory / METADATA_NAME).exists() and not overwrite:
-            raise RuntimeError(
-                f"Checkpoint already exists and overwrite=False: {directory} holds "
-                f"{METADATA_NAME}; pass overwrite=True to DataStatesWriter to replace it (the "
-                f"old checkpoint stays intact until the new one is committed)")
+            raise RuntimeError(f"Checkpoint already exists and overwrite=False: {directory} holds "
+                               f"{METADATA_NAME}; pass overwrite=True to DataStatesWriter to "
+                               "replace it (the old checkpoint stays intact until the new one "
+                               "is committed)")
 
     def flush(self, plan: SavePlan, planner: SavePlanner,
               direct_io: bool | None) -> list[WriteResult]:
@@ -278,8 +280,7 @@ class SaveJob:
         self.end(None)
 
     def hand_off(self) -> None:
-        """DCP's PROCESS checkpointer has pickled (so copied) the snapshot to its process:
-        the lease is free, and the rest of the save is that process's."""
+        """DCP's PROCESS checkpointer pickled (copied) the snapshot: the rest is its process's."""
         self.tie.caller = Caller.here()
         self.state = "handed_off"
         self.end(None)
@@ -320,14 +321,44 @@ class SaveJob:
         return bool(self.leases)
 
     def _release(self, claim: bool = True) -> None:
-        """Give back the leases and, with ``claim``, the directory claim."""
+        """Return the leases (once their checksums and copies end) and, with ``claim``, claim."""
         with self._lock:
             leases, self.leases = self.leases, []
             claim, self._claim = (self._claim, None) if claim else (None, self._claim)
-        for lease in leases:
-            lease.release()
+            later = self._in_flight
+        if later:
+            self.engine.after_copies(_give_back, leases)
+        else:
+            _give_back(leases)
         if claim is not None:
             claim.release()
+
+
+def _give_back(leases: list[Lease]) -> None:
+    for lease in leases:
+        lease.release()
+
+
+def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
+    """On the staging thread, for ``job``'s target not ready: False where a copy aside keeps
+    the snapshot's GPU sources on the GPU (the job copies it aside). Else (one would go to
+    pageable memory, slow) wait for the target, and True once it can be leased (or its pool
+    closed: the lease then falls back to the host cache): the training's guard waits about
+    one commit with it rather than for that copy. Raises once the job has ended meanwhile."""
+    if job.engine.aside_fits_on_gpu(sources):
+        return False
+    ready, start = threading.Event(), time.perf_counter()
+    job.target.when_ready(ready.set)
+    if not ready.is_set():
+        log.info("dcp_datastates: save %d: %s is not ready yet and the GPU has no room to "
+                 "keep the snapshot aside; the snapshot waits for it", job.ticket, job.target)
+        while not ready.wait(POLL_S):
+            if job.ended:
+                raise CheckpointError(f"save {job.ticket} ended while it waited for "
+                                      f"{job.target}")
+        log.info("dcp_datastates: save %d waited %.3f s for %s", job.ticket,
+                 time.perf_counter() - start, job.target)
+    return True
 
 
 def _target_lease(target: SnapshotTarget | None, plan: _Plan, ticket: int) -> Lease | None:
@@ -341,3 +372,16 @@ def _target_lease(target: SnapshotTarget | None, plan: _Plan, ticket: int) -> Le
         log.warning("dcp_datastates: save %d: %s unusable (%s); the snapshot goes to the host "
                     "cache and is copied", ticket, target, exc)
         return None
+
+
+def _note_staged(stats: SaveStats, staged: list[torch.Tensor], overflow: int,
+                 ticket: int) -> None:
+    """Record a staged snapshot's figures in ``stats``; warn of bytes in pageable memory."""
+    stats.overflow_bytes = overflow
+    stats.staged_bytes = sum(nbytes_of(t) for t in staged) - overflow
+    stats.snapshot_s = time.perf_counter() - stats.start
+    if overflow:
+        log.warning(
+            "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
+            "staged in pageable memory (slower); give the engine a larger host_cache_size",
+            ticket, format_size(overflow))

@@ -19,7 +19,8 @@ holds what a save costs (an average of the recent saves' costs, the newest weigh
 account holds at most one save's cost, so a long pause lets one save through, not a burst.
 
 A save is skipped at once (nothing staged, nothing written) when the account cannot pay for it,
-when the previous save's snapshot is still copying (taking it would make the guard wait), or
+when the previous save's snapshot is still copying (taking it would make the guard wait on the
+CPU; copies issued on the GPU do not count: the training's next work queues behind them), or
 when no memory-tier slot is free (it would be copied into the tier, seconds of work). Under
 ``torch.distributed`` the ranks take the same decision for every step (a step saved on some
 ranks only could never be restored): one all-reduce (MAX) per save on the manager's gloo group.
@@ -265,11 +266,11 @@ class Budget:
         return 0, ""
 
     def _close_open(self, now: float) -> None:
-        """The last save taken is open until its snapshot is over; a save is settled once
-        its commit is done and its slowdown charged."""
+        """The last save taken is open until its snapshot is over or its copies are issued on
+        the GPU; a save is settled once its commit is done and its slowdown charged."""
         handle = self._open
         if handle is not None and (handle.staged.done() or (
-                handle.copies_over is not None and handle.copies_over())):
+                handle.copies_issued is not None and handle.copies_issued())):
             self.account.guess(handle.figures.cost_s)
             self._open = None
         for handle in self.drag.over(now):

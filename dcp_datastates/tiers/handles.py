@@ -47,8 +47,9 @@ class SaveHandle:
     this rank's part there, and the commit of the step if this rank completed it).
 
     A save skipped under ``max_overhead`` has a ``reason``: nothing was staged or written, and
-    its futures are done (``result()`` returns None: a skip is no failure). ``copies_over()``:
-    whether the snapshot no longer reads the state (its copies are over; it may still be
+    its futures are done (``result()`` returns None: a skip is no failure). ``copies_issued()``:
+    whether the guard no longer waits on the CPU for the snapshot (its copies are over, or
+    issued on the GPU, where the training's next work queues behind them; it may still be
     moving from where it waited aside); None: once ``staged`` is done."""
 
     step: int
@@ -56,7 +57,7 @@ class SaveHandle:
     committed: Future
     persisted: Future | None = None
     reason: str = ""
-    copies_over: Callable[[], bool] | None = field(default=None, repr=False)
+    copies_issued: Callable[[], bool] | None = field(default=None, repr=False)
     figures: SaveFigures = field(init=False)
     raised: bool = field(default=False, init=False)  # result() raised the save's error
 

@@ -77,7 +77,7 @@ class MemorySaver:
                 writer.close()  # a snapshot staged for a save that will not run: given back
             log.error("dcp_datastates: checkpoint of step %d not taken: %s", step, exc)
             return failed_handle(step, exc)
-        handle = SaveHandle(step, staged, committed, copies_over=writer.snapshot_copied)
+        handle = SaveHandle(step, staged, committed, copies_issued=writer.snapshot_issued)
         handle.figures.blocked_s = time.perf_counter() - start
         handle.figures.bytes = nbytes
         stats, figures = writer.last_stats(), handle.figures

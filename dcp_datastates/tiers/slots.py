@@ -14,7 +14,8 @@ pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save 
 free slot if there is one, else an unpinned one (its snapshot is copied at pageable speed).
 A save taken while every slot is in use (or while saves wait for one) gets the next one to
 come free (:class:`NextSlot`), in save order: its snapshot waits aside meanwhile, as one
-into a slot not pinned yet does, and its move is queued once the slot is given.
+into a slot not pinned yet does, and its move is queued once the slot is given (where the
+GPU has no room to keep it aside, the save's staging thread waits for the slot instead).
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
 manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
@@ -132,11 +133,12 @@ class Slot:
 
 class NextSlot:
     """The next slot of ``pool`` to come free, for a save taken while every slot is in use:
-    a snapshot target that is not ready (the job copies the snapshot aside at once). The pool
-    gives the slots that come free to the waiting saves in save order, and queues each one's
-    move into its slot then (:meth:`when_ready`); no thread waits meanwhile."""
+    a snapshot target that is not ready (the job copies the snapshot aside at once, or waits
+    where that copy would go to pageable memory). The pool gives the slots that come free to
+    the waiting saves in save order, and queues each one's move into its slot then
+    (:meth:`when_ready`)."""
 
-    pinned = False  # never ready at the save's call: the snapshot waits aside
+    pinned = False  # never ready at the save's call: the snapshot waits (aside)
 
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
