@@ -116,9 +116,9 @@ def run_variant(tr: bt.Trainer, a: argparse.Namespace, name: str, sampler: Sampl
     engine.reserve(nbytes).release()
     if name in ("hash4", "hash8"):
         workers = int(name[4:])
-        engine.hash_pool.shutdown()
-        engine.hash_pool = ThreadPoolExecutor(workers, thread_name_prefix="dcp_datastates-hash")
-        engine.hash_workers = workers
+        engine.threads.hash.shutdown()
+        engine.threads.hash = ThreadPoolExecutor(workers, thread_name_prefix="dcp_datastates-hash")
+        engine.threads.hash_workers = workers
     shutil.rmtree(MEM, ignore_errors=True)
     shutil.rmtree(a.dir, ignore_errors=True)
     manager = CheckpointManager(Path(a.dir) / "durable", memory_dir=MEM, keep_memory=2,

@@ -20,13 +20,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from . import cuda_copy
 from .arenas import Arenas, MakeArena, Memory, Pinning
 from .arguments import checked_keywords
 from .aside import Aside, fits_on_gpu
+from .executors import Executors
 from .host_cache import Arena, Lease
 from .io import FALLBACK, IOBackend, make_backend
 from .sizes import parse_size
@@ -38,8 +39,6 @@ log = logging.getLogger("dcp_datastates")
 
 #: How often a wait (for cache memory, for a snapshot target) checks whether to give up.
 POLL_S = 0.05
-#: The name of the thread that waits for snapshots' copies to end (their settle).
-SETTLE = "dcp_datastates-settle"
 
 
 class Work(Protocol):
@@ -109,8 +108,6 @@ class Engine:
         make_arena: MakeArena = Arena,
         settle_pool: Executor | None = None,
     ) -> None:
-        if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
-            raise ValueError(f"io_workers must be an integer >= 1, got {io_workers!r}")
         self.fixed_size = None if host_cache_size == "auto" else parse_size(
             host_cache_size, name="host_cache_size")
         if self.fixed_size is not None and self.fixed_size < 4 * 4096:
@@ -124,17 +121,7 @@ class Engine:
         self.cuda = cuda_copy.CudaCopier() if cuda_copy.available() else None
         if (why := cuda_copy.why_unavailable()) is not None:
             log.warning("dcp_datastates: %s", why)
-        self.stage_pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
-        self.settle_pool = settle_pool or ThreadPoolExecutor(1, thread_name_prefix=SETTLE)
-        self.io_pool = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-io")
-        # checksums: never queued behind long writes (a persist's) on the I/O threads
-        self.hash_workers = max(io_workers, len(os.sched_getaffinity(0)))
-        self.hash_pool = ThreadPoolExecutor(self.hash_workers,
-                                            thread_name_prefix="dcp_datastates-hash")
-        # a copy's verification (a persist's): a save's checksums never queue behind it
-        self.verify_pool = ThreadPoolExecutor(max(1, self.hash_workers // 4),
-                                              thread_name_prefix="dcp_datastates-verify")
-        self.io_workers = io_workers
+        self.threads = Executors(io_workers, settle_pool)
         self._arenas = Arenas(Pinning(self.io, self.cuda, make_arena), self.fixed_size,
                               self.check_open)
         self._lock = threading.Lock()
@@ -288,12 +275,12 @@ class Engine:
     def submit(self, fn: Callable, *args: object):
         """Run ``fn(*args)`` on the I/O threads."""
         self.check_open()
-        return self.io_pool.submit(fn, *args)
+        return self.threads.io.submit(fn, *args)
 
     def after_copies(self, fn: Callable, *args: object) -> None:
         """Run ``fn(*args)`` (a wait for copies) on the settle thread, in order, or here."""
         try:
-            self.settle_pool.submit(fn, *args)
+            self.threads.settle.submit(fn, *args)
         except RuntimeError:  # shut down by close(): no copy may be left unwaited for
             fn(*args)
 
@@ -301,7 +288,8 @@ class Engine:
         """Run ``fn(*args)`` on the checksum threads, or with ``background`` (a copy's
         verification) on the fewer threads of their own."""
         self.check_open()
-        return (self.verify_pool if background else self.hash_pool).submit(fn, *args)
+        threads = self.threads
+        return (threads.verify if background else threads.hash).submit(fn, *args)
 
     # -- lifetime -------------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -325,10 +313,7 @@ class Engine:
             work, self._work = [*self._work, *([self.saves] if self.saves else [])], []
         for w in work:
             w.end()
-        # the settle thread after the staging thread: it hands copies there
-        for pool in (self.stage_pool, self.settle_pool, self.io_pool, self.hash_pool,
-                     self.verify_pool):
-            pool.shutdown(wait=True)
+        self.threads.shutdown()
         self._arenas.close()
         if self.cuda is not None:
             self.cuda.close()

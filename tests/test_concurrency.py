@@ -258,7 +258,7 @@ def test_fresh_writer_and_reader_every_save_with_memory_remapped(
         assert sum(n for _, n in backend.live_buffers()) == cache
         # io_uring pins (and accounts) registered buffers once per ring, a ring per I/O thread
         pinned = _locked_memory() - pinned_before
-        bound = engine.io_workers * cache if io_backend == "uring" else 0
+        bound = engine.threads.io_workers * cache if io_backend == "uring" else 0
         assert pinned <= bound + MiB, (
             f"{pinned / MiB:.0f} MiB locked/pinned for a {cache / MiB:.0f} MiB cache")
     finally:

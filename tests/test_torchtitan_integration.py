@@ -185,7 +185,7 @@ def hold_snapshot(engine: Engine, delay: float = STAGING_DELAY) -> threading.Eve
         release.wait(HOLD_LIMIT)
         time.sleep(delay)
 
-    engine.stage_pool.submit(hold)
+    engine.threads.stage.submit(hold)
     return release
 
 

@@ -232,8 +232,8 @@ class _Sums:
     def start(self, engine: Engine, regions: list[tuple[int, int]]) -> None:
         """Start the checksums of memory ``regions`` (address, bytes): the next items."""
         total = sum(n for _, n in regions)
-        share = max(_SUM_BYTES, round_up(-(-total // (_TASKS_PER_THREAD * engine.hash_workers)),
-                                         BLOCK_BYTES))
+        tasks = _TASKS_PER_THREAD * engine.threads.hash_workers
+        share = max(_SUM_BYTES, round_up(-(-total // tasks), BLOCK_BYTES))
         for pieces in deal_blocks(regions, share):
             items = [self.count + k for k, _, _ in pieces]
             self.tasks.append((items, engine.compute(_sum_pieces, pieces)))

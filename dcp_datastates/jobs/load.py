@@ -268,7 +268,7 @@ class LoadJob:
         lo, hi = a, b
         if self.verify_checksums:
             lo, hi = a - a % block, min(loc.length, -(-b // block) * block)
-        extent = max(block, pool.capacity // self.engine.io_workers // block * block)
+        extent = max(block, pool.capacity // self.engine.threads.io_workers // block * block)
         for s in range(lo, hi, extent):
             e = min(s + extent, hi)
             lease = pool.allocate(e - s)

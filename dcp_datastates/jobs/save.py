@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..arenas import Memory
 from ..aside import stash
-from ..cuda_copy import IssuedCopies
+from ..cuda_copy import CudaCopier, IssuedCopies
 from ..directory import DirectoryClaim, new_token
 from ..engine import POLL_S, Engine
 from ..errors import CheckpointError
@@ -80,6 +80,12 @@ class _Plan:
     offsets: list[int] = field(default_factory=list)
     total: int = 0
 
+    def drop_events(self, cuda: CudaCopier | None) -> None:
+        """Destroy the events the copies waited for (once they are issued, or given up)."""
+        if self.ready is not None:
+            cuda.destroy_events(self.ready)
+            self.ready = None
+
 
 class SaveJob:
     """One rank's part of one save. Made by :func:`new_save_job`."""
@@ -121,7 +127,7 @@ class SaveJob:
             ready = cuda.record_current(devices) if devices and cuda is not None else None
             self.state = "staging"
             self.stats.blocking_s = time.perf_counter() - self.stats.start
-            self.engine.stage_pool.submit(self._stage, skeleton, sources, dtensors, ready)
+            self.engine.threads.stage.submit(self._stage, skeleton, sources, dtensors, ready)
         except BaseException as exc:
             self.end(exc)
             raise
@@ -150,7 +156,7 @@ class SaveJob:
             else:
                 self._stage_aside(plan, self._copy, "the host cache is being made")
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
-            self._done_with_events(plan)
+            plan.drop_events(self.engine.cuda)
             self.end(exc)
 
     def _stage_aside(self, plan: _Plan, move: Callable[[_Plan, None], None], why: str) -> None:
@@ -161,7 +167,7 @@ class SaveJob:
             aside = stash(plan.sources, self.engine.cuda, plan.ready,
                           issued=self.copied.publish)
         finally:
-            self._done_with_events(plan)
+            plan.drop_events(self.engine.cuda)
         plan.sources.clear()
         plan.sources = list(aside.views)
         where = f"{format_size(aside.gpu_bytes)} on the GPU, {format_size(aside.host_bytes)} " \
@@ -217,14 +223,9 @@ class SaveJob:
 
     def _settled(self, plan: _Plan) -> None:  # no copy reads the sources or fills the lease
         plan.sources.clear()
-        self._done_with_events(plan)
+        plan.drop_events(self.engine.cuda)
         self._in_flight = False
         self.settled.set()
-
-    def _done_with_events(self, plan: _Plan) -> None:
-        if plan.ready is not None:
-            self.engine.cuda.destroy_events(plan.ready)
-            plan.ready = None
 
     def hold(self, lease: Lease | None) -> Lease | None:
         """Keep ``lease`` until the job ends (or its bytes are in the file)."""
@@ -321,7 +322,8 @@ class SaveJob:
         return bool(self.leases)
 
     def _release(self, claim: bool = True) -> None:
-        """Return the leases (once their checksums and copies end) and, with ``claim``, claim."""
+        """Give back the leases (after the copies in flight into them) and, with ``claim``,
+        the directory claim."""
         with self._lock:
             leases, self.leases = self.leases, []
             claim, self._claim = (self._claim, None) if claim else (None, self._claim)
