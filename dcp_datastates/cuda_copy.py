@@ -219,8 +219,11 @@ class CudaCopier:
 
 
 def _event(stream: object) -> object:
-    """A timing event recorded on ``stream``."""
-    (event,) = _check(cudart.cudaEventCreate(), "cudaEventCreate")
+    """A timing event recorded on ``stream``. A thread waiting for it sleeps (blocking sync):
+    by default CUDA spins a core through the whole copy, which the checksum threads and the
+    training thread need."""
+    (event,) = _check(cudart.cudaEventCreateWithFlags(cudart.cudaEventBlockingSync),
+                      "cudaEventCreateWithFlags")
     _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
     return event
 
