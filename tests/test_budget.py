@@ -11,6 +11,7 @@ With ``max_overhead=1/16``, steps of 0.5 s earn 1/32 s of cost each and a save c
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -120,7 +121,9 @@ def test_a_long_pause_lets_one_save_through_not_a_burst(tiers: Tiers, clock: Fak
         train(manager, clock, engine, range(13), "call")
         clock.now += 3600.0  # evaluation, a stall: an hour without saves
         after = train(manager, clock, engine, range(13, 20), "call")
-    assert [h.step for h in after if not h.skipped] == [13, 17]
+    # one save through, then the steady pace (one every 4; the account's margin of one
+    # interval's earnings lets the next come one interval early)
+    assert [h.step for h in after if not h.skipped] == [13, 16]
 
 
 def test_a_restart_after_skipped_saves_loads_the_newest_step_taken(tiers: Tiers,
@@ -233,7 +236,7 @@ def test_the_slowdown_of_saves_in_flight_is_charged_and_kept_within_the_budget(
     third), nowhere a wait. The slowdown is charged: over 2000 steps, what saves cost stays
     within 5% of the quiet training time (plus one save), and saves are taken at the rate
     that allows (one per (5 ms + 3 x 14 ms) / (5% of 0.2 s) = 4.7 steps). Charged only its
-call, as before, a save would be taken every step."""
+call, a save would be taken every step."""
     step_s, call_s, slow_s, fraction, steps = 0.2, 0.005, 0.014, 0.05, 2000
     budget = Budget(fraction, clock, Ranks(0, 1, None), [])
     flying: list[tuple[SaveHandle, int]] = []  # taken, intervals left
@@ -258,10 +261,12 @@ call, as before, a save would be taken every step."""
             cost += call_s
     whole = call_s + 3 * slow_s
     assert cost <= fraction * steps * step_s + whole
-    # saves are decided at steps: one every 5 (4.7 rounded up), the rate the budget allows
-    assert steps // 5 - 1 <= len(taken) <= steps * fraction * step_s / whole, len(taken)
-    settled = [h.figures.cost_s for h in taken[:-1]]
-    assert settled == pytest.approx([whole] * len(settled))
+    # at least one save every 5 steps (4.7 rounded up), the rate of saves that never overlap;
+    # saves whose flights overlap share one slowdown and cost less, so a few more are taken
+    assert len(taken) >= steps // 5 - 1, len(taken)
+    charged = [h.figures.cost_s for h in taken]
+    assert sum(charged) == pytest.approx(cost)  # what the saves cost, exactly
+    assert max(charged[:-1]) == pytest.approx(whole)
 
 
 def test_a_pause_while_a_commit_runs_is_charged_only_the_time_it_ran(clock: FakeClock) -> None:
@@ -320,3 +325,36 @@ def test_a_skip_for_an_account_in_debt_says_so() -> None:
     why = account.why_not()
     assert "about 0.002 s" in why and "the account owes 0.100 s" in why, why
     assert why.endswith("; 2.04 s more are needed"), why
+
+
+def test_noisy_steps_do_not_starve_cheap_saves(clock: FakeClock) -> None:
+    """Steps of 0.22 s that vary by a few ms (as on an H100), saves that cost 4 ms in their
+    call and slow the 2 steps their commit runs in by 2 ms: 2.7% of training at a save every
+    step, within a budget of 5%. The slower steps charged to the saves in flight must not
+    leave the account just short of the next save: nearly every save is taken (capped at one
+    save's cost, the account took 69%), and what they cost stays within the budget."""
+    step_s, call_s, slow_s, fraction, steps = 0.22, 0.004, 0.002, 0.05, 300
+    noise = random.Random(0)
+    budget = Budget(fraction, clock, Ranks(0, 1, None), [])
+    flying: list[tuple[SaveHandle, int]] = []
+    taken, cost, trained = 0, 0.0, 0.0
+    for step in range(steps):
+        interval = step_s + (slow_s if flying else 0.0) + noise.gauss(0.0, 0.005)
+        clock.now += interval / 2
+        for handle, left in flying:
+            handle.staged.done() or handle.staged.set_result(None)
+            if left == 1:
+                handle.committed.set_result(None)
+        flying = [(h, left - 1) for h, left in flying if left > 1]
+        clock.now += interval / 2
+        cost += slow_s if flying else 0.0
+        trained += step_s
+        if budget.decide(step, None, None) is None:
+            handle = SaveHandle(step, Future(), Future())
+            clock.now += call_s
+            cost += call_s
+            budget.taken(handle)
+            taken += 1
+            flying.append((handle, 2))
+    assert taken >= 0.85 * steps, taken
+    assert cost <= fraction * trained + call_s + 2 * slow_s
