@@ -191,15 +191,16 @@ class SaveJob:
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
         """Issue the snapshot's copies into ``lease`` (the job's already; None: a lease of the
         cache); the settle thread waits for them, while this one may issue the next snapshot's."""
+        with self._lock:  # from here, an end leaves the leases to _settled (after the copies)
+            ended, self._in_flight = self._ended, not self._ended
+        if ended:
+            return self._settled(plan)
         try:
-            if self._ended:
-                return self._settled(plan)
             held = lease if lease is not None else self.hold(self.engine.reserve(plan.total))
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, copies = issue_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
                 plan.dtensors, self.copied.publish)
-            self._in_flight = True  # until settled: the lease is given back after them
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
             self._settled(plan)
             return self.end(exc)
@@ -216,6 +217,8 @@ class SaveJob:
             return self.end(exc)
         finally:
             self._settled(plan)
+        if self._ended:  # closed or discarded meanwhile: nothing to hand out
+            return None
         self.snapshot, self.state = snapshot, "staged"
         _note_staged(self.stats, staged, snapshot.overflow, self.ticket)
         self.tie.deliver(state)
@@ -224,7 +227,10 @@ class SaveJob:
     def _settled(self, plan: _Plan) -> None:  # no copy reads the sources or fills the lease
         plan.sources.clear()
         plan.drop_events(self.engine.cuda)
-        self._in_flight = False
+        with self._lock:
+            self._in_flight, ended = False, self._ended
+        if ended:  # the leases that end() left for after the copies
+            self._release(claim=False)
         self.settled.set()
 
     def hold(self, lease: Lease | None) -> Lease | None:
@@ -322,23 +328,14 @@ class SaveJob:
         return bool(self.leases)
 
     def _release(self, claim: bool = True) -> None:
-        """Give back the leases (after the copies in flight into them) and, with ``claim``,
-        the directory claim."""
+        """Return the leases (copies in flight: :meth:`_settled`, after them) and the claim."""
         with self._lock:
-            leases, self.leases = self.leases, []
+            leases, self.leases = ([], self.leases) if self._in_flight else (self.leases, [])
             claim, self._claim = (self._claim, None) if claim else (None, self._claim)
-            later = self._in_flight
-        if later:
-            self.engine.after_copies(_give_back, leases)
-        else:
-            _give_back(leases)
+        for lease in leases:
+            lease.release()
         if claim is not None:
             claim.release()
-
-
-def _give_back(leases: list[Lease]) -> None:
-    for lease in leases:
-        lease.release()
 
 
 def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
@@ -353,7 +350,8 @@ def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
     job.target.when_ready(ready.set)
     if not ready.is_set():
         log.info("dcp_datastates: save %d: %s is not ready yet and the GPU has no room to "
-                 "keep the snapshot aside; the snapshot waits for it", job.ticket, job.target)
+                 "keep the snapshot aside; the snapshot waits for it (the engine's saves staged "
+                 "after it wait too)", job.ticket, job.target)
         while not ready.wait(POLL_S):
             if job.ended:
                 raise CheckpointError(f"save {job.ticket} ended while it waited for "
