@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from fakes import FaultyBackend
+from fakes import FaultyBackend, HeldSettles
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
@@ -272,6 +272,16 @@ class Tiers:
     memory: Path  # under /dev/shm
     durable: Path  # on disk
     scratch: Path  # under /dev/shm, for anything else
+
+
+@pytest.fixture
+def held() -> Iterator[HeldSettles]:
+    """An engine's settle thread that holds every settle until ``held.gate`` is set (then
+    shut down at teardown)."""
+    settles = HeldSettles(limit_s=60.0)
+    yield settles
+    settles.gate.set()
+    settles.shutdown(wait=True)
 
 
 @pytest.fixture

@@ -49,14 +49,6 @@ def _gated(nbytes: int) -> type[GatedCopy]:
     return rand_tensor((nbytes,), torch.uint8, seed=5).as_subclass(gated)
 
 
-@pytest.fixture
-def held() -> HeldSettles:
-    settles = HeldSettles(limit_s=TIMEOUT)
-    yield settles
-    settles.gate.set()
-    settles.shutdown(wait=True)
-
-
 # -- pipe19: leases ---------------------------------------------------------------------------
 def test_a_lease_stays_out_while_a_cpu_copy_still_fills_it() -> None:
     """Ended (the engine closed without waiting) while the staging thread still copies a CPU

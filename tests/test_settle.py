@@ -29,14 +29,6 @@ def _state(seed: int) -> dict:
     }
 
 
-@pytest.fixture
-def held() -> HeldSettles:
-    settles = HeldSettles(limit_s=TIMEOUT)
-    yield settles
-    settles.gate.set()
-    settles.shutdown(wait=True)
-
-
 def _engine(held: HeldSettles) -> Engine:
     return Engine(host_cache_size="8MiB", io_backend="threads", io_workers=2, settle_pool=held)
 
