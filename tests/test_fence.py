@@ -43,18 +43,6 @@ def test_order_waits_until_the_copies_are_issued() -> None:
     assert waiter.waited == [{0: "event0"}]
 
 
-def test_events_taken_back_mean_waiting_for_the_end_on_the_cpu() -> None:
-    fence, waiter = CopyFence(), RecordingWaiter()
-    fence.publish({0: "event0"})
-    fence.publish(None)  # the copies are done; their events are about to be destroyed
-    thread = ordered_in_thread(fence, waiter)
-    thread.join(0.2)
-    assert thread.is_alive(), "order() returned before the fence was set"
-    fence.set()
-    thread.join(5)
-    assert not thread.is_alive() and waiter.waited == []
-
-
 def test_without_a_waiter_order_waits_for_the_copies() -> None:
     fence = CopyFence()
     fence.publish({0: "event0"})
@@ -86,12 +74,18 @@ def test_copies_issued_after_the_fence_is_set_make_no_stream_wait() -> None:
     assert waiter.waited == []
 
 
-def test_passable_while_the_events_are_published_or_once_set() -> None:
-    fence = CopyFence()
+def test_passable_once_issued_and_free_once_the_copier_has_waited() -> None:
+    """The copier takes the events back (``publish(None)``) once it has waited for the copies:
+    the sources are free from then on, before the save sets its fence (the budget must not
+    skip a save as "still copying" while the staged dict is handed out)."""
+    fence, waiter = CopyFence(), RecordingWaiter()
     assert not fence.passable()
     fence.publish({0: "event0"})
     assert fence.passable()  # the guard would return at once
     fence.publish(None)
-    assert not fence.passable()  # taken back: the guard would wait on the CPU
-    fence.set()
     assert fence.passable()
+    fence.order(waiter)  # returns: nothing is left to wait for, on the GPU or the CPU
+    fence.order(None)
+    assert waiter.waited == [] and not fence.wait(0)  # set once the snapshot is handed out
+    fence.set()
+    assert fence.passable() and fence.wait(0)

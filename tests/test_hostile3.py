@@ -155,16 +155,16 @@ def test_two_hundred_saves_keep_one_plan(tmp_path: Path, make_writer) -> None:
     assert len(local.items) == 2 and len(global_plans) == 1
 
 
-def test_a_guard_waiting_on_issued_copies_passes_when_the_save_fails() -> None:
-    """Events published, then taken back (the copies ended) and the save failed before the
-    fence was set by success: the job's end sets the fence, so a guard waiting passes."""
+def test_a_guard_waiting_on_the_cpu_passes_once_the_copies_end() -> None:
+    """A guard without a stream waiter waits on the CPU while the copies run, and passes once
+    the copier has waited for them (events taken back), before the save sets its fence (by
+    success or failure)."""
     fence = CopyFence()
     fence.publish({0: "event"})
-    fence.publish(None)
     waiter = threading.Thread(target=fence.order, args=(None,), daemon=True)
     waiter.start()
     waiter.join(0.1)
     assert waiter.is_alive()
-    fence.set()  # what SaveJob.end does for a failed save
+    fence.publish(None)
     waiter.join(5)
-    assert not waiter.is_alive()
+    assert not waiter.is_alive() and not fence.wait(0)

@@ -21,7 +21,6 @@ from test_tiers import HoldWrites, make_state
 from dcp_datastates import CheckpointManager, DataStatesWriter, Engine
 from dcp_datastates.cuda_copy import CudaCopier
 from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.jobs.fence import CopyFence
 
 pytestmark = MARKS
 MiB = 1 << 20
@@ -150,22 +149,6 @@ def test_a_failed_wait_fails_the_save_and_leaks_no_lease_or_event() -> None:
     finally:
         writer.close()
         engine.close()
-
-
-# -- pipe19: the budget's "still copying" ---------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="not fixed: tests/test_fence.py pins that a fence whose "
-                   "events were taken back is not passable until set (lead's call)")
-def test_a_fence_is_passable_once_its_copies_are_waited_for() -> None:
-    """The copier takes the published events back (``publish(None)``) once the copies are
-    over: from then on the sources may change, so the fence stays passable (the budget must
-    not skip a save as "still copying" while the staged dict is being handed out)."""
-    fence = CopyFence()
-    fence.publish({0: object()})
-    assert fence.passable()
-    fence.publish(None)  # the copies are over, the events about to be destroyed
-    assert fence.passable(), "copies over, yet the fence says they still run"
-    fence.order(None)  # returns: nothing is left to wait for on the CPU either
-    assert not fence.is_set()  # the save sets it once its staged dict is handed out
 
 
 # -- wait19 -------------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 the GPU once they are issued (work queued after events recorded behind them runs after them).
 
 A save's :class:`CopyFence` is set (like a ``threading.Event``) when its sources are copied,
-failed or not. While the copies of GPU sources run on the side streams it also holds an event
-per device recorded behind them: :meth:`CopyFence.order` then makes the work queued next on
-the training's streams wait for those events and returns at once, so the training thread
-goes on issuing work while the copies run (the optimizer's kernels queue behind them).
+failed or not, and its snapshot handed out. While the copies of GPU sources run on the side
+streams it also holds an event per device recorded behind them: :meth:`CopyFence.order`
+then makes the work queued next on the training's streams wait for those events and returns
+at once, so the training thread goes on issuing work while the copies run (the optimizer's
+kernels queue behind them). Once the copier has waited for them and takes the events back,
+the sources are free: ``order`` returns at once from then on, with or without a waiter.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ class CopyFence:
 
     def __init__(self) -> None:
         self._done = threading.Event()
-        self._passable = threading.Event()  # done, or events published
+        self._free = threading.Event()  # the sources may change: done, or events taken back
+        self._passable = threading.Event()  # free, or events published
         self._lock = threading.Lock()
         self._events: dict[int, object] | None = None
 
     def set(self) -> None:
-        """The copies are over (or will never run): the sources may change."""
+        """The copies are over (or will never run) and the snapshot handed out."""
         self._done.set()
+        self._free.set()
         self._passable.set()
 
     def is_set(self) -> bool:
@@ -38,9 +42,9 @@ class CopyFence:
 
     def passable(self) -> bool:
         """Whether :meth:`order` returns at once (with a waiter): the copies are over, or the
-        events behind them are published (and not yet taken back)."""
+        events behind them are published."""
         with self._lock:
-            return self._done.is_set() or self._events is not None
+            return self._free.is_set() or self._events is not None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the copies are over."""
@@ -48,15 +52,17 @@ class CopyFence:
 
     def publish(self, events: dict[int, object] | None) -> None:
         """The copier's call: ``events`` recorded behind the copies on each device once all
-        are issued; None once they are done, before the events are destroyed. Ignored once
-        the fence is set: later copies (a snapshot moving from where it waited aside) read
-        no source, and the training's streams must not wait for them."""
+        are issued; None once it has waited for them, before the events are destroyed (the
+        sources are free). Ignored once the fence is set: later copies (a snapshot moving
+        from where it waited aside) read no source, and the training's streams must not wait
+        for them."""
         with self._lock:
             if events is not None and self._done.is_set():
                 return
             self._events = events
-        if events is not None:
-            self._passable.set()
+            if events is None:
+                self._free.set()
+        self._passable.set()
 
     def order(self, waiter: StreamWaiter | None) -> None:
         """Hold the work queued next on the calling thread's streams until the copies are
@@ -68,4 +74,4 @@ class CopyFence:
                 if self._events is not None:
                     waiter.wait_current(self._events)
                     return
-        self._done.wait()
+        self._free.wait()
