@@ -53,11 +53,11 @@ class CopyFence:
     def publish(self, events: dict[int, object] | None) -> None:
         """The copier's call: ``events`` recorded behind the copies on each device once all
         are issued; None once it has waited for them, before the events are destroyed (the
-        sources are free). Ignored once the fence is set: later copies (a snapshot moving
-        from where it waited aside) read no source, and the training's streams must not wait
-        for them."""
+        sources are free). Events are ignored once the sources are free: later copies (a
+        snapshot moving from where it waited aside, maybe issued before the fence is set)
+        read no source, and the training's streams must not wait for them."""
         with self._lock:
-            if events is not None and self._done.is_set():
+            if events is not None and self._free.is_set():
                 return
             self._events = events
             if events is None:
