@@ -47,7 +47,7 @@ class CopyFence:
             return self._free.is_set() or self._events is not None
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the copies are over."""
+        """Block until the fence is set (the copies over, the snapshot handed out)."""
         return self._done.wait(timeout)
 
     def publish(self, events: dict[int, object] | None) -> None:
