@@ -90,13 +90,18 @@ def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+#: Values :func:`walk` keeps as they are (no copy): immutable.
+_IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None), torch.dtype,
+                        torch.device})
+
+
 def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
          dtensors: set[int]) -> object:
     """The structure of ``obj`` with tensors replaced by references numbering ``sources``; the
     numbers of DTensor locals go to ``dtensors``.
 
-    Only dicts and lists are entered, as DCP does; other values stay as they are and are
-    deep-copied by :func:`rebuild` (on the staging thread, before the snapshot completes).
+    Only dicts and lists are entered, as DCP does; other values are deep-copied here, on the
+    caller's thread (the loop may change them once the call returns), immutable ones kept.
     """
     if id(obj) in memo:
         return memo[id(obj)]
@@ -115,7 +120,7 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
     elif isinstance(obj, list):
         out = [walk(v, sources, memo, dtensors) for v in obj]
     else:
-        out = obj
+        out = obj if type(obj) in _IMMUTABLE else copy.deepcopy(obj)
     memo[id(obj)] = out
     return out
 
@@ -136,8 +141,8 @@ def rebuild(obj: object, staged: list[torch.Tensor], memo: dict[int, object]) ->
         out = {k: rebuild(v, staged, memo) for k, v in obj.items()}
     elif isinstance(obj, list):
         out = [rebuild(v, staged, memo) for v in obj]
-    else:
-        out = copy.deepcopy(obj)
+    else:  # walk's copy (the skeleton is the save's own)
+        out = obj
     memo[id(obj)] = out
     return out
 

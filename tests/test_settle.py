@@ -97,3 +97,25 @@ def test_a_save_ended_while_its_copies_run_gives_its_lease_back_after_them(
     held.gate.set()
     closer.join(TIMEOUT)
     assert not closer.is_alive() and engine.live_leases() == 0
+
+
+def test_values_other_than_tensors_are_saved_as_they_were_at_the_call(
+        tmp_path: Path, held: HeldSettles) -> None:
+    """A value DCP saves as a bytes item (not a dict or list, so kept whole) changed in place by
+    the loop once ``async_save`` returned, while the snapshot still settles: the checkpoint
+    holds it as it was at the call."""
+    engine = _engine(held)
+    writer = DataStatesWriter(engine=engine)
+    seen, raw = {1, 2, 3}, bytearray(b"step 7")
+    state = {**_state(30), "seen": seen, "raw": raw, "both": [seen, raw]}
+    expected = {**clone_state(_state(30)), "seen": {1, 2, 3}, "raw": bytearray(b"step 7"),
+                "both": [{1, 2, 3}, bytearray(b"step 7")]}
+    response = dcp.async_save(state, checkpoint_id=tmp_path / "ck", storage_writer=writer,
+                              no_dist=True)
+    assert held.wait_handed(1, TIMEOUT)
+    seen.add(4)  # the training loop goes on while the snapshot settles
+    raw[:] = b"step 8"
+    held.gate.set()
+    response.upload_completion.result(timeout=TIMEOUT)
+    assert_state_equal(load_into(expected, tmp_path / "ck"), expected)
+    engine.close()
