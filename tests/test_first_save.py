@@ -1,15 +1,12 @@
 """The first save of a process never waits for the host cache to be made (issue 17, point 4).
 
 The engine's ``make_arena`` is a :class:`~fakes.SlowArena`: the snapshot cache is made only
-once the test sets its gate. Every wait here is on an event, none on a wall clock, but one
-bounded poll for the arena thread's release of a failed move's memory (no engine event marks it).
+once the test sets its gate. Every wait here is on an event, none on a wall clock.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,13 +30,6 @@ from dcp_datastates.aside import HOST, stash
 pytestmark = MARKS
 TIMEOUT = 60
 ENGINE = {"host_cache_size": "8MiB", "io_backend": "threads", "io_workers": 2}
-
-
-def _wait_until(check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not check():
-        assert time.monotonic() < deadline, "not reached in time"
-        time.sleep(0.01)
 
 
 def _state(seed: int = 0) -> dict:
