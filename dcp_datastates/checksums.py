@@ -132,8 +132,16 @@ def verify_span(
         if length == 0 and expected != (xxhash.xxh3_64_intdigest(b""),):
             raise CheckpointCorruptError(f"{what}: checksum mismatch for the empty item")
         return
+    if len(segments) == 1 and not segments[0][1].readonly and native() is not None:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(segments[0][1]))
+        digests = block_checksums(addr, hi - lo, block)  # one native call for the span
+    else:
+        digests = None
     for k in range(lo // block, -(-hi // block)):
         b0, b1 = k * block, min((k + 1) * block, length)
+        if digests is not None:
+            _expect(digests[k - lo // block], expected, k, what, b0, b1)
+            continue
         parts = [data[s0 - start : s1 - start] for start, data in segments
                  for s0, s1 in [(max(b0, start), min(b1, start + len(data)))] if s0 < s1]
         if len(parts) == 1:
@@ -143,7 +151,10 @@ def verify_span(
             for part in parts:
                 hasher.update(part)
             digest = hasher.intdigest()
-        if k >= len(expected) or digest != expected[k]:
-            raise CheckpointCorruptError(
-                f"{what}: checksum mismatch in item bytes {b0}..{b1}; the data file is corrupt"
-            )
+        _expect(digest, expected, k, what, b0, b1)
+
+
+def _expect(digest: int, expected: tuple[int, ...], k: int, what: str, b0: int, b1: int) -> None:
+    if k >= len(expected) or digest != expected[k]:
+        raise CheckpointCorruptError(
+            f"{what}: checksum mismatch in item bytes {b0}..{b1}; the data file is corrupt")

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from .gpu_sums import GpuHashes, GpuSums, blocks_of
+
 try:  # the optional ``gpu`` extra; imported with the package (~0.14 s), not at the first save
     from cuda.bindings import runtime as cudart  # loads the bindings only: no CUDA call
 except (ImportError, OSError):  # no cuda-python: GPU tensors are copied with torch
@@ -69,12 +71,14 @@ def _check(result: tuple, what: str) -> tuple:
 
 
 class CudaCopier:
-    """One non-blocking CUDA stream per device, copies issued on them, and host pinning."""
+    """One non-blocking CUDA stream per device, copies issued on them (with the checksums of
+    their sources, on request), and host pinning."""
 
     def __init__(self) -> None:
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
         self._batch_ok = True  # until the runtime refuses cudaMemcpyBatchAsync once
+        self.sums = GpuSums()
 
     @staticmethod
     def pin(addr: int, nbytes: int) -> None:
@@ -113,11 +117,12 @@ class CudaCopier:
             return self._streams[device]
 
     def close(self) -> None:
-        """Destroy the streams (no copy may be in flight)."""
+        """Destroy the streams and the checksum kernels (no copy may be in flight)."""
         with self._lock:
             streams, self._streams = self._streams, {}
         for stream in streams.values():
             cudart.cudaStreamDestroy(stream)
+        self.sums.close()
 
     def record_current(self, devices: set[int]) -> dict[int, object]:
         """On the calling thread: an event on each device's current torch stream."""
@@ -143,8 +148,8 @@ class CudaCopier:
         return self.issue(copies, kind, after, issued).wait()
 
     def issue(self, copies: list[Copy], kind: str, after: dict[int, object] | None = None,
-              issued: Callable[[dict[int, object] | None], None] | None = None
-              ) -> IssuedCopies:
+              issued: Callable[[dict[int, object] | None], None] | None = None,
+              checksums: list[int] | None = None) -> IssuedCopies:
         """Issue ``copies`` on the side streams; the caller waits for them with
         :meth:`IssuedCopies.wait` (exactly once) before it lets their memory go.
 
@@ -153,7 +158,9 @@ class CudaCopier:
         ``issued`` is called with an event per device recorded behind the copies once all are
         issued (work queued after them on the GPU runs after the copies), and with None once
         they are done, before the events are destroyed. Where issuing fails, what was issued
-        is waited for before this raises.
+        is waited for before this raises. ``checksums``: a key per copy; each copy's source is
+        hashed on the GPU beside the copies where the kernel is built, its block digests kept
+        under its key in ``IssuedCopies.checksums`` once waited for.
         """
         direction = getattr(cudart.cudaMemcpyKind, _KINDS[kind])
         by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
@@ -173,10 +180,15 @@ class CudaCopier:
                     _check(cudart.cudaStreamWaitEvent(stream, after[device], 0),
                            "cudaStreamWaitEvent")
                 pending.spans.append((stream, _event(stream), None))
+                hashes = (self._hash(copies, checksums, device, pending)
+                          if checksums is not None else None)
                 if len(batch) == 1 or not self._copy_batch(batch, stream):
                     for dst, src, nbytes in batch:
                         _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
                                "cudaMemcpyAsync")
+                if hashes is not None:  # the copies' end covers the checksums' end
+                    _check(cudart.cudaStreamWaitEvent(stream, hashes.event, 0),
+                           "cudaStreamWaitEvent")
                 pending.spans[-1] = (stream, pending.spans[-1][1], _event(stream))
             if issued is not None:
                 pending.published = issued
@@ -186,6 +198,20 @@ class CudaCopier:
             pending.wait()
             raise
         return pending
+
+    def _hash(self, copies: list[Copy], keys: list[int], device: int, pending: IssuedCopies
+              ) -> GpuHashes | None:
+        """Start the checksums of the sources of ``copies`` on ``device`` behind the copy
+        stream's start event (None where the kernel is not built yet)."""
+        if not self.sums.ready(device):
+            return None
+        mine = [(key, src, nbytes) for key, (d, _, src, nbytes) in zip(keys, copies, strict=True)
+                if d == device]
+        blocks = [blocks_of(src, nbytes) for _, src, nbytes in mine]
+        hashes = self.sums.launch(device, pending.spans[-1][1], [b for bs in blocks for b in bs])
+        pending.hashes.append(([(i, len(bs)) for (i, _, _), bs in zip(mine, blocks,
+                                                                     strict=True)], hashes))
+        return hashes
 
     @staticmethod
     def wait_current(events: dict[int, object]) -> None:
@@ -229,12 +255,15 @@ def _event(stream: object) -> object:
 
 
 class IssuedCopies:
-    """Copies issued by :meth:`CudaCopier.issue`: (stream, start, done) events per device, and
-    the ``issued`` callback they were published to."""
+    """Copies issued by :meth:`CudaCopier.issue`: (stream, start, done) events per device, the
+    ``issued`` callback they were published to, and the checksums of their sources in flight
+    (``checksums`` once waited: each hashed copy's block digests by its key)."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[object, object, object | None]] = []
         self.published: Callable[[None], None] | None = None
+        self.hashes: list[tuple[list[tuple[int, int]], GpuHashes]] = []
+        self.checksums: dict[int, list[int]] = {}
 
     def wait(self) -> float:
         """Wait for each span's copies, take back the published events, destroy the events
@@ -250,6 +279,12 @@ class IssuedCopies:
                     longest = max(longest, ms / 1e3)
             else:
                 cudart.cudaStreamSynchronize(stream)
+        hashes, self.hashes = self.hashes, []
+        for copies, pending in hashes:
+            cudart.cudaEventSynchronize(pending.event)
+            digests = iter(pending.digests())
+            self.checksums.update((i, [next(digests) for _ in range(n)]) for i, n in copies)
+            pending.release()
         published, self.published = self.published, None
         if published is not None:
             published(None)

@@ -72,6 +72,8 @@ class Snapshot:
     in_target: bool = False  # the lease is a SnapshotTarget's: the data file in place
     overflow: int = 0  # bytes staged in pageable memory instead
     copies: dict[int, int] = field(default_factory=dict)  # data_ptr of a copy -> its source
+    #: source -> digests of its GPU_SUM_BLOCK blocks, made on the GPU as it was copied
+    sums: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,8 @@ def issue_into(
 ) -> tuple[list[torch.Tensor], int, IssuedCopies | None]:
     """Copy ``sources`` into ``lease`` at ``offsets`` (GPU ones: issued); return the copies,
     the bytes that did not fit (staged in pageable memory instead) and the GPU copies in flight
-    (None: none; wait with :func:`copies_done` before the sources or the copies' memory go).
+    (None: none; wait with :func:`copies_done` before the sources or the copies' memory go;
+    their ``checksums`` then hold GPU sources' block digests by source index, where made).
     Gaps in the lease are zeroed. ``issued``: see :meth:`CudaCopier.issue`. Sources numbered
     in ``own_storage`` (DTensor locals) get a storage of their own: torch pickles a DTensor
     whose local tensor sits at a storage offset as a plain tensor.
@@ -208,6 +211,7 @@ def issue_into(
     base = lease.storage() if lease is not None else None
     staged: list[torch.Tensor] = []
     gpu: list[Copy] = []
+    keys: list[int] = []  # the source of each GPU copy
     overflow = 0
     filled: list[tuple[int, int]] = []
     for i, src in enumerate(sources):
@@ -218,6 +222,7 @@ def issue_into(
             staged.append(dst)
             if n and src.is_cuda and cuda is not None:  # after the event, like the rest
                 gpu.append((src.device.index, dst.data_ptr(), src.data_ptr(), n))
+                keys.append(i)
             elif n:
                 dst.copy_(src)
             continue
@@ -231,13 +236,15 @@ def issue_into(
         addr = lease.addr + offset
         if src.is_cuda and cuda is not None:
             gpu.append((src.device.index, addr, src.data_ptr(), n))
+            keys.append(i)
         elif n < MEMMOVE_BYTES and src.device.type == "cpu" and src.is_contiguous():
             ctypes.memmove(addr, src.data_ptr(), n)
         else:
             dst.copy_(src)
     if lease is not None:
         _zero_gaps(lease, filled)
-    copies = cuda.issue(gpu, "d2h", after=ready, issued=issued) if gpu else None
+    copies = (cuda.issue(gpu, "d2h", after=ready, issued=issued, checksums=keys)
+              if gpu else None)
     return staged, overflow, copies
 
 

@@ -25,6 +25,7 @@ from ..checksums import BLOCK_BYTES, deal_blocks, regions_checksums
 from ..entries import entry_name
 from ..file_format import FileLayout, ItemSpec, Placement, file_layout, place_bytes, place_tensors
 from ..file_writer import DataFile, Piece
+from ..gpu_sums import GPU_SUM_BLOCK
 from ..host_cache import Lease
 from ..metadata_file import ItemLocation
 from ..snapshot import Snapshot, copy_into, nbytes_of
@@ -69,9 +70,9 @@ def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
     job.stats.add_flush(final.file_size, time.perf_counter() - start, file.direct)
     return [
         WriteResult(index=i.index, size_in_bytes=n,
-                    storage_data=ItemLocation(name, o, n, tuple(s), BLOCK_BYTES))
-        for i, o, n, s in zip(tensor_items + raw_items, offsets + raw_offsets, sizes, checksums,
-                              strict=True)
+                    storage_data=ItemLocation(name, o, n, tuple(s), block))
+        for i, o, n, (block, s) in zip(tensor_items + raw_items, offsets + raw_offsets, sizes,
+                                       checksums, strict=True)
     ]
 
 
@@ -133,8 +134,9 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
            serialized: list[Future], in_place: bool,
            ) -> tuple[FileLayout, list[int], list[int], list[list[int]]]:
     """Write the tensors (unless in place), the bytes items and the header; return the final
-    layout, the bytes items' offsets, every item's size and checksums."""
+    layout, the bytes items' offsets, every item's size and (block, checksums)."""
     sums = _Sums()
+    made = _made_on_gpu(job.snapshot, tensors)
     try:
         if not in_place:  # in place, the snapshot is the file's data already
             file.preallocate(max((o + nbytes_of(t) for o, t in zip(offsets, tensors,
@@ -142,7 +144,8 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
                                  default=draft.data_start))
             file.write([Piece(o, t.data_ptr(), nbytes_of(t), _lease_of(job.leases, t))
                         for o, t in zip(offsets, tensors, strict=True)])
-        sums.start(job.engine, [(t.data_ptr(), nbytes_of(t)) for t in tensors])
+        sums.start(job.engine, [(t.data_ptr(), nbytes_of(t))
+                                for t, m in zip(tensors, made, strict=True) if m is None])
         raws = [f.result() for f in serialized]
         final = draft
         if raw_names:
@@ -159,7 +162,9 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
                                                           strict=True)])
         sums.start(job.engine, memory[1:])
         file.finish(final.file_size)
-        checksums = sums.result()
+        here = iter(sums.result())
+        checksums = [(BLOCK_BYTES, next(here)) if m is None else (GPU_SUM_BLOCK, m)
+                     for m in made] + [(BLOCK_BYTES, c) for c in here]
     except BaseException:
         file.abort()
         raise
@@ -167,6 +172,21 @@ def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placeme
         sums.wait()  # they read the memory the caller releases
     sizes = [nbytes_of(t) for t in tensors] + [len(r) for r in raws]
     return final, raw_offsets, sizes, checksums
+
+
+def _made_on_gpu(snapshot: Snapshot | None, tensors: list[torch.Tensor]
+                 ) -> list[list[int] | None]:
+    """Each tensor's block digests made on the GPU as its source was copied, where the tensor
+    is that copy in full (None: it is hashed here)."""
+    if snapshot is None or not snapshot.sums:
+        return [None] * len(tensors)
+    sizes = {int(p.spec.name): p.nbytes for p in snapshot.placements if p.spec is not None}
+    made: list[list[int] | None] = []
+    for t in tensors:
+        k = snapshot.copies.get(t.data_ptr())
+        whole = k is not None and sizes.get(k) == nbytes_of(t) and t.is_contiguous()
+        made.append(snapshot.sums.get(k) if whole else None)
+    return made
 
 
 def _lease_of(leases: list[Lease], t: torch.Tensor) -> Lease | None:

@@ -212,6 +212,7 @@ class SaveJob:
         try:
             self.stats.copy_s = copies_done(copies)
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
+            snapshot.sums = copies.checksums if copies is not None else {}
             state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
             return self.end(exc)
