@@ -79,6 +79,8 @@ class CudaCopier:
         self._lock = threading.Lock()
         self._batch_ok = True  # until the runtime refuses cudaMemcpyBatchAsync once
         self.sums = GpuSums()
+        if torch.cuda.is_initialized():  # compiled before the first save where it can be
+            self.sums.prime(torch.cuda.current_device())
 
     @staticmethod
     def pin(addr: int, nbytes: int) -> None:
@@ -171,6 +173,9 @@ class CudaCopier:
                 continue
             for at, n in _pieces(host, nbytes):  # within one registration each
                 by_device[device].append((dst + at - host, src + at - host, n))
+        # before any copy is issued: a kernel loaded behind one of them would wait for it
+        hashed = ({d for d in by_device if self.sums.ready(d)} if checksums is not None
+                  else set())
         pending = IssuedCopies()
         try:
             for device, batch in by_device.items():
@@ -181,7 +186,7 @@ class CudaCopier:
                            "cudaStreamWaitEvent")
                 pending.spans.append((stream, _event(stream), None))
                 hashes = (self._hash(copies, checksums, device, pending)
-                          if checksums is not None else None)
+                          if device in hashed else None)
                 if len(batch) == 1 or not self._copy_batch(batch, stream):
                     for dst, src, nbytes in batch:
                         _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),
@@ -200,11 +205,9 @@ class CudaCopier:
         return pending
 
     def _hash(self, copies: list[Copy], keys: list[int], device: int, pending: IssuedCopies
-              ) -> GpuHashes | None:
+              ) -> GpuHashes:
         """Start the checksums of the sources of ``copies`` on ``device`` behind the copy
-        stream's start event (None where the kernel is not built yet)."""
-        if not self.sums.ready(device):
-            return None
+        stream's start event."""
         mine = [(key, src, nbytes) for key, (d, _, src, nbytes) in zip(keys, copies, strict=True)
                 if d == device]
         blocks = [blocks_of(src, nbytes) for _, src, nbytes in mine]
