@@ -62,6 +62,20 @@ def _pieces(addr: int, nbytes: int) -> list[tuple[int, int]]:
     return out
 
 
+def _by_device(copies: list[Copy], kind: str) -> dict[int, list[tuple[int, int, int]]]:
+    """Each device's copies (destination, source, bytes), cut where a host range spans more
+    than one pinned piece (a copy stays within one registration)."""
+    by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for device, dst, src, nbytes in copies:
+        host = dst if kind == "d2h" else src if kind == "h2d" else None
+        if host is None or host // PIN_PIECE == (host + nbytes - 1) // PIN_PIECE:
+            by_device[device].append((dst, src, nbytes))
+            continue
+        for at, n in _pieces(host, nbytes):
+            by_device[device].append((dst + at - host, src + at - host, n))
+    return by_device
+
+
 def _check(result: tuple, what: str) -> tuple:
     err, *rest = result
     if err != cudart.cudaError_t.cudaSuccess:
@@ -165,14 +179,7 @@ class CudaCopier:
         under its key in ``IssuedCopies.checksums`` once waited for.
         """
         direction = getattr(cudart.cudaMemcpyKind, _KINDS[kind])
-        by_device: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-        for device, dst, src, nbytes in copies:
-            host = dst if kind == "d2h" else src if kind == "h2d" else None
-            if host is None or host // PIN_PIECE == (host + nbytes - 1) // PIN_PIECE:
-                by_device[device].append((dst, src, nbytes))
-                continue
-            for at, n in _pieces(host, nbytes):  # within one registration each
-                by_device[device].append((dst + at - host, src + at - host, n))
+        by_device = _by_device(copies, kind)
         # before any copy is issued: a kernel loaded behind one of them would wait for it
         hashed = ({d for d in by_device if self.sums.ready(d)} if checksums is not None
                   else set())

@@ -210,10 +210,8 @@ def issue_into(
     """
     base = lease.storage() if lease is not None else None
     staged: list[torch.Tensor] = []
-    gpu: list[Copy] = []
-    keys: list[int] = []  # the source of each GPU copy
-    overflow = 0
-    filled: list[tuple[int, int]] = []
+    gpu: dict[int, Copy] = {}  # source index -> its copy
+    overflow, filled = 0, []
     for i, src in enumerate(sources):
         n, offset = nbytes_of(src), offsets[i]
         if lease is None or offset + n > lease.capacity or n == 0:
@@ -221,8 +219,7 @@ def issue_into(
             dst = torch.empty(src.shape, dtype=src.dtype)
             staged.append(dst)
             if n and src.is_cuda and cuda is not None:  # after the event, like the rest
-                gpu.append((src.device.index, dst.data_ptr(), src.data_ptr(), n))
-                keys.append(i)
+                gpu[i] = (src.device.index, dst.data_ptr(), src.data_ptr(), n)
             elif n:
                 dst.copy_(src)
             continue
@@ -235,17 +232,15 @@ def issue_into(
         filled.append((offset, n))
         addr = lease.addr + offset
         if src.is_cuda and cuda is not None:
-            gpu.append((src.device.index, addr, src.data_ptr(), n))
-            keys.append(i)
+            gpu[i] = (src.device.index, addr, src.data_ptr(), n)
         elif n < MEMMOVE_BYTES and src.device.type == "cpu" and src.is_contiguous():
             ctypes.memmove(addr, src.data_ptr(), n)
         else:
             dst.copy_(src)
     if lease is not None:
         _zero_gaps(lease, filled)
-    copies = (cuda.issue(gpu, "d2h", after=ready, issued=issued, checksums=keys)
-              if gpu else None)
-    return staged, overflow, copies
+    return staged, overflow, (cuda.issue(list(gpu.values()), "d2h", after=ready, issued=issued,
+                                         checksums=list(gpu)) if gpu else None)
 
 
 def _zero_gaps(lease: Lease, filled: list[tuple[int, int]]) -> None:
