@@ -10,9 +10,12 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
 from conftest import MARKS
 
 from dcp_datastates.gpu_sums import GpuSums
+from dcp_datastates.jobs.flush import _made_on_gpu
+from dcp_datastates.snapshot import Snapshot, nbytes_of, offsets_of, place_sources
 
 pytestmark = MARKS
 TIMEOUT = 10
@@ -84,3 +87,24 @@ def test_one_build_per_architecture_one_load_per_device() -> None:
     finally:
         sums.close()
     assert builds == ["sm_90"] and sorted(loaded) == [0, 1]
+
+
+def test_a_flush_takes_gpu_digests_only_for_a_whole_copy_in_its_bytes_order() -> None:
+    """snapshot.copies maps a staged copy's address to its source, snapshot.sums a GPU
+    source to its digests: a tensor of the flush takes them only where it is that copy in
+    full, in order (a plan's chunk at the copy's address, a transpose, a copy elsewhere or a
+    source hashed on the CPU take the CPU's checksums)."""
+    sources = [torch.zeros(64, 32), torch.zeros(16), torch.zeros(8, 8)]
+    placements = place_sources(sources)
+    offsets, total = offsets_of(placements, len(sources))
+    base = torch.zeros(total, dtype=torch.uint8)
+    staged = [base[o : o + nbytes_of(s)].view(s.dtype).view(s.shape)
+              for o, s in zip(offsets, sources, strict=True)]
+    snapshot = Snapshot(None, placements)
+    snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged)}
+    snapshot.sums = {0: [1, 2], 2: [3]}  # source 1 was a CPU source
+    w, b, m = staged
+    tensors = [w, w.view(torch.int32), w[:32], w.t(), b, m, m.clone(), w.reshape(-1)]
+    assert _made_on_gpu(snapshot, tensors) == [[1, 2], [1, 2], None, None, None, [3], None,
+                                               [1, 2]]
+    assert _made_on_gpu(None, tensors) == [None] * len(tensors)
