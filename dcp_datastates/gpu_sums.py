@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -184,9 +185,15 @@ class GpuSums:
     from :meth:`prime` or the first :meth:`ready`; :meth:`ready` then loads it on the calling
     thread, before that thread issues its copies: a module loaded while a copy of the same
     process is in flight waits for that copy (0.13 s behind 6 GiB on an H100), and stalled the
-    training thread's CUDA calls as long."""
+    training thread's CUDA calls as long. ``arch_of``, ``build`` and ``load`` replace the
+    device's architecture, the compiler and the loading of a cubin (tests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arch_of: Callable[[int], str] | None = None,
+                 build: Callable[[str], bytes] | None = None,
+                 load: Callable[[int, bytes], object | None] | None = None) -> None:
+        self._arch = arch_of or _arch
+        self._build = build or _compile
+        self._load_kernel = load or self._load
         self._lock = threading.Lock()
         self._cubins: dict[str, bytes | None] = {}  # architecture -> cubin (None: none to be had)
         self._compiling: set[str] = set()
@@ -198,7 +205,7 @@ class GpuSums:
 
     def prime(self, device: int) -> None:
         """Start compiling the kernel for ``device``'s architecture (no CUDA call is made)."""
-        self._compiled(_arch(device))
+        self._compiled(self._arch(device))
 
     def ready(self, device: int) -> bool:
         """Whether the kernel can run on ``device``: loads it here once it is compiled (call
@@ -206,30 +213,27 @@ class GpuSums:
         with self._lock:
             if device in self._kernels:
                 return self._kernels[device] is not None
-        arch = _arch(device)
-        cubin = self._compiled(arch)
-        with self._lock:
-            if cubin is None and arch not in self._cubins:
+        arch = self._arch(device)
+        self._compiled(arch)
+        with self._lock:  # looked up again: the build may have ended since
+            if arch not in self._cubins:
                 return False  # still compiling
             if device not in self._kernels:
-                self._kernels[device] = cubin and self._load(device, cubin)
+                cubin = self._cubins[arch]
+                self._kernels[device] = cubin and self._load_kernel(device, cubin)
             return self._kernels[device] is not None
 
-    def _compiled(self, arch: str) -> bytes | None:
-        """The cubin for ``arch`` (None while it compiles, or where it cannot be had)."""
+    def _compiled(self, arch: str) -> None:
+        """Start compiling the kernel for ``arch`` on a thread of its own, unless it is built
+        or being built (:attr:`_cubins` has it once over: None where it cannot be had)."""
         with self._lock:
             if arch in self._cubins or arch in self._compiling:
-                return self._cubins.get(arch)
-            if nvrtc is None or not HEADER.exists():
-                self._cubins[arch] = None
-                self._tell(f"{HEADER.name} or cuda.bindings.nvrtc is missing")
-                return None
+                return
             self._compiling.add(arch)
             builder = threading.Thread(target=self._compile, args=(arch,), daemon=True,
                                        name="dcp_datastates-gpu-sums")
             self._builders.append(builder)
         builder.start()
-        return None
 
     def _tell(self, why: str) -> None:
         if not self._told:
@@ -238,7 +242,7 @@ class GpuSums:
 
     def _compile(self, arch: str) -> None:
         try:
-            cubin = _compile(arch)
+            cubin = self._build(arch)
         except Exception as exc:  # noqa: BLE001 - the CPU checksums stand in
             cubin = None
             with self._lock:
@@ -326,6 +330,8 @@ def _arch(device: int) -> str:
 
 def _compile(arch: str) -> bytes:
     """The kernel compiled by NVRTC for ``arch`` (a cubin)."""
+    if nvrtc is None or not HEADER.exists():
+        raise RuntimeError(f"{HEADER.name} or cuda.bindings.nvrtc is missing")
     headers = {**_HEADERS, b"xxhash.h": HEADER.read_bytes()}
     program = _check(nvrtc.nvrtcCreateProgram(_KERNEL, b"dsh_xxh3.cu", len(headers),
                                               list(headers.values()), list(headers)),
