@@ -212,13 +212,18 @@ class CudaCopier:
         return pending
 
     def _hash(self, copies: list[Copy], keys: list[int], device: int, pending: IssuedCopies
-              ) -> GpuHashes:
+              ) -> GpuHashes | None:
         """Start the checksums of the sources of ``copies`` on ``device`` behind the copy
-        stream's start event."""
+        stream's start event (None where the GPU has no room for their block table: the
+        commit hashes them on the CPU)."""
         mine = [(key, src, nbytes) for key, (d, _, src, nbytes) in zip(keys, copies, strict=True)
                 if d == device]
         blocks = [blocks_of(src, nbytes) for _, src, nbytes in mine]
-        hashes = self.sums.launch(device, pending.spans[-1][1], [b for bs in blocks for b in bs])
+        try:
+            hashes = self.sums.launch(device, pending.spans[-1][1],
+                                      [b for bs in blocks for b in bs])
+        except torch.cuda.OutOfMemoryError:
+            return None
         pending.hashes.append(([(i, len(bs)) for (i, _, _), bs in zip(mine, blocks,
                                                                      strict=True)], hashes))
         return hashes
@@ -290,10 +295,10 @@ class IssuedCopies:
             else:
                 cudart.cudaStreamSynchronize(stream)
         hashes, self.hashes = self.hashes, []
-        for copies, pending in hashes:
-            cudart.cudaEventSynchronize(pending.event)
-            digests = iter(pending.digests())
-            self.checksums.update((i, [next(digests) for _ in range(n)]) for i, n in copies)
+        for copies, pending in hashes:  # digests of a failed kernel are left to the CPU
+            if cudart.cudaEventSynchronize(pending.event)[0] == cudart.cudaError_t.cudaSuccess:
+                digests = iter(pending.digests())
+                self.checksums.update((i, [next(digests) for _ in range(n)]) for i, n in copies)
             pending.release()
         published, self.published = self.published, None
         if published is not None:

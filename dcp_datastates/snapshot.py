@@ -181,7 +181,7 @@ def copy_into(
     """:func:`issue_into` and wait for the copies: the copies, the bytes that did not fit and
     the seconds the GPU copies took on the GPU (None: none made with cuda-python)."""
     staged, overflow, copies = issue_into(lease, sources, offsets, cuda, ready, own_storage,
-                                          issued)
+                                          issued, hashed=False)  # the flush hashes them
     return staged, overflow, copies_done(copies)
 
 
@@ -198,16 +198,15 @@ def issue_into(
     cuda: CudaCopier | None,
     ready: dict[int, object] | None,
     own_storage: set[int] = frozenset(),
-    issued: Callable[[dict[int, object] | None], None] | None = None,
+    issued: Callable[[dict[int, object] | None], None] | None = None, hashed: bool = True,
 ) -> tuple[list[torch.Tensor], int, IssuedCopies | None]:
     """Copy ``sources`` into ``lease`` at ``offsets`` (GPU ones: issued); return the copies,
     the bytes that did not fit (staged in pageable memory instead) and the GPU copies in flight
     (None: none; wait with :func:`copies_done` before the sources or the copies' memory go;
-    their ``checksums`` then hold GPU sources' block digests by source index, where made).
-    Gaps in the lease are zeroed. ``issued``: see :meth:`CudaCopier.issue`. Sources numbered
-    in ``own_storage`` (DTensor locals) get a storage of their own: torch pickles a DTensor
-    whose local tensor sits at a storage offset as a plain tensor.
-    """
+    their ``checksums`` then hold GPU sources' block digests by source index, where made and
+    ``hashed``). Gaps in the lease are zeroed. ``issued``: see :meth:`CudaCopier.issue`.
+    Sources in ``own_storage`` (DTensor locals) get a storage of their own: torch pickles a
+    DTensor whose local tensor sits at a storage offset as a plain tensor."""
     base = lease.storage() if lease is not None else None
     staged: list[torch.Tensor] = []
     gpu: dict[int, Copy] = {}  # source index -> its copy
@@ -240,7 +239,8 @@ def issue_into(
     if lease is not None:
         _zero_gaps(lease, filled)
     return staged, overflow, (cuda.issue(list(gpu.values()), "d2h", after=ready, issued=issued,
-                                         checksums=list(gpu)) if gpu else None)
+                                         checksums=list(gpu) if hashed else None)
+                              if gpu else None)
 
 
 def _zero_gaps(lease: Lease, filled: list[tuple[int, int]]) -> None:
