@@ -212,18 +212,13 @@ class CudaCopier:
         return pending
 
     def _hash(self, copies: list[Copy], keys: list[int], device: int, pending: IssuedCopies
-              ) -> GpuHashes | None:
+              ) -> GpuHashes:
         """Start the checksums of the sources of ``copies`` on ``device`` behind the copy
-        stream's start event (None where the GPU has no room for their block table: the
-        commit hashes them on the CPU)."""
+        stream's start event."""
         mine = [(key, src, nbytes) for key, (d, _, src, nbytes) in zip(keys, copies, strict=True)
                 if d == device]
         blocks = [blocks_of(src, nbytes) for _, src, nbytes in mine]
-        try:
-            hashes = self.sums.launch(device, pending.spans[-1][1],
-                                      [b for bs in blocks for b in bs])
-        except torch.cuda.OutOfMemoryError:
-            return None
+        hashes = self.sums.launch(device, pending.spans[-1][1], [b for bs in blocks for b in bs])
         pending.hashes.append(([(i, len(bs)) for (i, _, _), bs in zip(mine, blocks,
                                                                      strict=True)], hashes))
         return hashes

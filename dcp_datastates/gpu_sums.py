@@ -85,7 +85,8 @@ __device__ xxh_u64 dsh_long(const xxh_u8 *in, size_t len, unsigned int lane, uns
     return acc;
 }
 
-/* blocks[0:n]: addresses, blocks[n:2n]: lengths, blocks[2n:3n]: their digests */
+/* blocks[0:n]: addresses, blocks[n:2n]: lengths, blocks[2n:3n]: their digests (pinned host
+ * memory, read and written in place) */
 extern "C" __global__ void dsh_xxh3_blocks(unsigned long long *blocks, unsigned int n) {
     unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned int lane = threadIdx.x & 7;
@@ -161,20 +162,21 @@ def blocks_of(addr: int, nbytes: int, block: int = GPU_SUM_BLOCK) -> list[tuple[
 
 
 class GpuHashes:
-    """Digests of blocks in flight on a device: host and device buffers, the event behind the
-    kernel. :meth:`digests` once the work on the stream is known to be over."""
+    """Digests of blocks in flight on a device: the block table (pinned host memory the kernel
+    reads and writes in place) and the event behind the kernel. :meth:`digests` once the work
+    on the stream is known to be over."""
 
-    def __init__(self, host: torch.Tensor, device: torch.Tensor, event: object, n: int) -> None:
-        self._host, self._device, self.event, self._n = host, device, event, n
+    def __init__(self, host: torch.Tensor, event: object, n: int) -> None:
+        self._host, self.event, self._n = host, event, n
 
     def digests(self) -> list[int]:
         """The blocks' digests (the caller has waited for :attr:`event`)."""
         return [d & 0xFFFFFFFFFFFFFFFF for d in self._host[2 * self._n :].tolist()]
 
     def release(self) -> None:
-        """Destroy the event and let the buffers go (the work is over, or never ran)."""
+        """Destroy the event and let the table go (the work is over, or never ran)."""
         cudart.cudaEventDestroy(self.event)
-        self._host = self._device = None
+        self._host = None
 
 
 class GpuSums:
@@ -273,41 +275,28 @@ class GpuSums:
 
     def launch(self, device: int, after: object, blocks: list[tuple[int, int]]) -> GpuHashes:
         """Hash ``blocks`` (address, bytes) of GPU memory on ``device`` once ``after`` (an
-        event) is reached; the returned event is recorded behind the kernel and its results.
-        Call only where :meth:`ready` said True."""
+        event) is reached; the returned event is recorded behind the kernel. Call only where
+        :meth:`ready` said True. The kernel reads its block table from pinned host memory and
+        writes the digests there (no device memory: a block of torch's allocator would be
+        shared with the training's stream, whose work is not ordered with this one)."""
         stream, kernel, n = self._streams[device], self._kernels[device], len(blocks)
         host = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
         host[: 2 * n] = torch.tensor([a for a, _ in blocks] + [b for _, b in blocks],
                                      dtype=torch.int64)
-        on_gpu = torch.empty(3 * n, dtype=torch.int64, device=f"cuda:{device}")
-        try:
-            return GpuHashes(host, on_gpu, self._issue(stream, kernel, after, host, on_gpu, n), n)
-        except BaseException:  # nothing stays in flight on the buffers about to go
-            cudart.cudaStreamSynchronize(stream)
-            raise
-
-    @staticmethod
-    def _issue(stream: object, kernel: object, after: object, host: torch.Tensor,
-               on_gpu: torch.Tensor, n: int) -> object:
         _check(cudart.cudaStreamWaitEvent(stream, after, 0), "cudaStreamWaitEvent")
-        _check(cudart.cudaMemcpyAsync(on_gpu.data_ptr(), host.data_ptr(), 16 * n,
-                                      cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream),
-               "cudaMemcpyAsync")
-        args = (ctypes.c_void_p(on_gpu.data_ptr()), ctypes.c_uint(n))
+        args = (ctypes.c_void_p(host.data_ptr()), ctypes.c_uint(n))
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         _check(driver.cuLaunchKernel(kernel, -(-8 * n // _THREADS), 1, 1, _THREADS, 1, 1, 0,
                                      stream, ctypes.addressof(pointers), 0), "cuLaunchKernel")
-        _check(cudart.cudaMemcpyAsync(host.data_ptr() + 16 * n, on_gpu.data_ptr() + 16 * n,
-                                      8 * n, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-                                      stream), "cudaMemcpyAsync")
         event = _check(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming),
                        "cudaEventCreateWithFlags")
         try:
             _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
-        except BaseException:
+        except BaseException:  # the table must outlive the kernel
+            cudart.cudaStreamSynchronize(stream)
             cudart.cudaEventDestroy(event)
             raise
-        return event
+        return GpuHashes(host, event, n)
 
     def close(self) -> None:
         """Wait for the compilers, then unload the kernels and destroy the streams (no hash
