@@ -8,7 +8,7 @@ functions for the short inputs and the final merge). The digests equal those of
 ``libdcp_hash.so`` and the xxhash package, so a load verifies them as any other. The kernel
 runs on a stream of its own, beside the copies (it reads the sources in GPU memory, they read
 them over PCIe): the commit then need not read the snapshot's bytes again to checksum them
-(an 8 GiB memory commit under training: 0.08-0.13 s instead of 0.16-0.18 on an H100). Until
+(an 8 GiB memory commit under training: 0.10-0.14 s instead of 0.16-0.18 on an H100). Until
 the kernel is built, or where it cannot be, the commit hashes on the CPU (said once in the log).
 """
 
