@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .cuda_copy import Copy, CudaCopier, IssuedCopies
 from .file_format import ItemSpec, Placement, place_tensors
@@ -84,8 +85,11 @@ class _TensorRef:
 
 @dataclass(frozen=True)
 class _DTensorRef:
+    """A DTensor's place in a skeleton: its local tensor is source ``index``; ``spec`` (mesh,
+    placements, global shape and stride) is the source's, reused as it is."""
+
     index: int
-    source: DTensor
+    spec: DTensorSpec
 
 
 def nbytes_of(t: torch.Tensor) -> int:
@@ -109,7 +113,7 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
         return memo[id(obj)]
     if isinstance(obj, DTensor):
         dtensors.add(len(sources))
-        out: object = _DTensorRef(len(sources), obj)
+        out: object = _DTensorRef(len(sources), obj._spec)
         local = obj.to_local().detach()
         sources.append(local.contiguous() if local.is_cuda else local)
     elif isinstance(obj, torch.Tensor):
@@ -128,7 +132,9 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
 
 
 def rebuild(obj: object, staged: list[torch.Tensor], memo: dict[int, object]) -> object:
-    """The state dict of ``walk``'s skeleton over the ``staged`` copies."""
+    """The state dict of ``walk``'s skeleton over the ``staged`` copies; a DTensor's is a
+    DTensor of the source's mesh and placements whose local tensor is its staged (host) copy,
+    as DCP's own staging makes it: nothing goes back to the mesh's device."""
     if id(obj) in memo:
         return memo[id(obj)]
     if isinstance(obj, _TensorRef):
@@ -136,9 +142,9 @@ def rebuild(obj: object, staged: list[torch.Tensor], memo: dict[int, object]) ->
         for name, value in obj.attrs:
             setattr(out, name, copy.deepcopy(value))
     elif isinstance(obj, _DTensorRef):
-        src = obj.source
-        out = DTensor.from_local(staged[obj.index], src.device_mesh, src.placements,
-                                 run_check=False, shape=src.shape, stride=src.stride())
+        # not DTensor.from_local: it moves the local tensor to the mesh's device (a CUDA
+        # mesh: every staged shard copied back to the GPU)
+        out = DTensor(staged[obj.index], obj.spec, requires_grad=False)
     elif isinstance(obj, dict):
         out = {k: rebuild(v, staged, memo) for k, v in obj.items()}
     elif isinstance(obj, list):

@@ -12,12 +12,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
 from dcp_datastates import Engine
-from dcp_datastates.align import ALIGN
-from dcp_datastates.host_cache import Arena
+from dcp_datastates.align import ALIGN, round_up
+from dcp_datastates.host_cache import Arena, Lease
 from dcp_datastates.io import IOBackend, IOReq
 
 
@@ -272,3 +273,32 @@ class FakeGpuSource:
 
     def element_size(self) -> int:
         return 1
+
+
+class FileTarget:
+    """A snapshot target of one file mapped by ``engine``: the snapshot is the data file."""
+
+    pinned = True
+
+    def __init__(self, engine: Engine, path: Path, nbytes: int) -> None:
+        self.engine, self.path, self.room = engine, path, 64 << 10
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        os.posix_fallocate(self.fd, 0, self.room + round_up(nbytes))
+        self.arena = engine.map_file(self.fd, self.room + round_up(nbytes), str(path))
+
+    def lease(self, total: int, entries: int) -> Lease | None:
+        return self.arena.pool.try_allocate_at(self.room, total)
+
+    def need_room(self, header_len: int) -> None:
+        raise AssertionError("the room fits the header")
+
+    def adopt(self, path: Path) -> Path:
+        os.rename(self.path, path)
+        return path
+
+    def when_ready(self, queue: Callable[[], None]) -> None:
+        queue()
+
+    def close(self) -> None:
+        self.engine.unmap_file(self.arena)
+        os.close(self.fd)

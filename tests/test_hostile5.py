@@ -19,12 +19,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
+from fakes import FileTarget
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 from dcp_datastates import DataStatesWriter, Engine, cli
-from dcp_datastates.align import ALIGN, round_up
-from dcp_datastates.host_cache import Arena, Lease
+from dcp_datastates.align import ALIGN
+from dcp_datastates.host_cache import Arena
 from dcp_datastates.jobs.copy import copy_checkpoint
 
 TIMEOUT = 60
@@ -61,35 +62,6 @@ class TransposingPlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> object:
         data = super().resolve_data(write_item)
         return data.t() if write_item.index.fqn == self.fqn else data
-
-
-class FileTarget:
-    """A snapshot target of one file mapped by ``engine``: the snapshot is the data file."""
-
-    pinned = True
-
-    def __init__(self, engine: Engine, path: Path, nbytes: int) -> None:
-        self.engine, self.path, self.room = engine, path, 64 << 10
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        os.posix_fallocate(self.fd, 0, self.room + round_up(nbytes))
-        self.arena = engine.map_file(self.fd, self.room + round_up(nbytes), str(path))
-
-    def lease(self, total: int, entries: int) -> Lease | None:
-        return self.arena.pool.try_allocate_at(self.room, total)
-
-    def need_room(self, header_len: int) -> None:
-        raise AssertionError("the room fits the header")
-
-    def adopt(self, path: Path) -> Path:
-        os.rename(self.path, path)
-        return path
-
-    def when_ready(self, queue: Callable[[], None]) -> None:
-        queue()
-
-    def close(self) -> None:
-        self.engine.unmap_file(self.arena)
-        os.close(self.fd)
 
 
 def _square_state() -> dict:
