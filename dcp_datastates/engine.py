@@ -14,14 +14,19 @@ finish (:func:`_close_at_exit`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from . import cuda_copy
 from .arenas import Arenas, MakeArena, Memory, Pinning
@@ -127,6 +132,9 @@ class Engine:
         self._lock = threading.Lock()
         self.saves: Saves | None = None  # attached by jobs/ordering.py at the first save
         self._work: list[Work] = []  # loads in progress, managers not closed
+        self._step_hook: RemovableHandle | None = None  # see order_optimizer_steps
+        self._step_timers: OrderedDict[int, Callable[[Callable[[], None]], None]] = \
+            OrderedDict()  # a dict RemovableHandle can refer to
         self.closed = False
         self.exiting = False  # the interpreter exits: a save that fails now is lost (logged)
         self._exit_hook = _hook_exit(self)  # emptied by close(): the hook lets go
@@ -271,6 +279,29 @@ class Engine:
         if self.saves is not None:
             self.saves.order_after_snapshots()
 
+    def order_optimizer_steps(self) -> None:
+        """From the engine's first snapshot until it closes, every optimizer's ``step()`` is
+        ordered after the snapshots staged so far (:meth:`order_after_snapshots`), as
+        :func:`~dcp_datastates.guard` does for one optimizer: the step is where training
+        changes the state a lazy snapshot copies."""
+        with self._lock:
+            if self._step_hook is None and not self.closed:
+                self._step_hook = register_optimizer_step_pre_hook(
+                    lambda *_: self._before_step())
+
+    def time_step_waits(self, timer: Callable[[Callable[[], None]], None]) -> RemovableHandle:
+        """Have ``timer(wait)`` run the waits of the optimizer step hook (a manager's overhead
+        budget counts them as its saves' cost); ``.remove()`` the handle to stop."""
+        handle = RemovableHandle(self._step_timers)
+        self._step_timers[handle.id] = timer
+        return handle
+
+    def _before_step(self) -> None:
+        wait = self.order_after_snapshots
+        for timer in list(self._step_timers.values()):
+            wait = functools.partial(timer, wait)
+        wait()
+
     # -- executors ------------------------------------------------------------------------------
     def submit(self, fn: Callable, *args: object):
         """Run ``fn(*args)`` on the I/O threads."""
@@ -310,6 +341,8 @@ class Engine:
                 return
             self.closed = True
             self._exit_hook.clear()
+            if self._step_hook is not None:
+                self._step_hook.remove()
             work, self._work = [*self._work, *([self.saves] if self.saves else [])], []
         for w in work:
             w.end()

@@ -102,9 +102,9 @@ _IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None), torch
 
 
 def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
-         dtensors: set[int]) -> object:
+         dtensors: dict[int, DTensor]) -> object:
     """The structure of ``obj`` with tensors replaced by references numbering ``sources``; the
-    numbers of DTensor locals go to ``dtensors``.
+    DTensors go to ``dtensors`` under their locals' numbers.
 
     Only dicts and lists are entered, as DCP does; other values are deep-copied here, on the
     caller's thread (the loop may change them once the call returns), immutable ones kept.
@@ -112,7 +112,7 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
     if id(obj) in memo:
         return memo[id(obj)]
     if isinstance(obj, DTensor):
-        dtensors.add(len(sources))
+        dtensors[len(sources)] = obj
         out: object = _DTensorRef(len(sources), obj._spec)
         local = obj.to_local().detach()
         sources.append(local.contiguous() if local.is_cuda else local)
@@ -128,6 +128,31 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
     else:
         out = obj if type(obj) in _IMMUTABLE else copy.deepcopy(obj)
     memo[id(obj)] = out
+    return out
+
+
+def keep_still(sources: list[torch.Tensor]) -> None:
+    """Replace, in ``sources``, those a lazy copy cannot take at their values of the call by
+    copies made now: CPU tensors (the staging thread copies them while the caller goes on) and
+    inference tensors (no version counter tells of a write to them; copied on the current
+    stream, in the call's order). GPU tensors stay: their copies are lazy."""
+    for i, t in enumerate(sources):
+        if not t.is_cuda or t.is_inference():
+            sources[i] = t.clone(memory_format=torch.contiguous_format)
+
+
+def source_paths(skeleton: object) -> dict[int, str]:
+    """Each source's place in the state dict (``model.layers.0.weight``), by source index."""
+    out: dict[int, str] = {}
+    todo: list[tuple[object, str]] = [(skeleton, "")]
+    while todo:
+        obj, path = todo.pop()
+        if isinstance(obj, (_TensorRef, _DTensorRef)):
+            out.setdefault(obj.index, path)
+        elif isinstance(obj, dict):
+            todo += [(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()]
+        elif isinstance(obj, list):
+            todo += [(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     return out
 
 

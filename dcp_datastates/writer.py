@@ -132,7 +132,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         are done: on the GPU where they were issued there (see
         :meth:`Engine.order_after_snapshots`)."""
         if self._last is not None:
-            self._last.copied.order(self.engine.cuda)
+            self._last.order_after(self.engine.cuda)
 
     def close(self) -> None:
         """Discard snapshots this writer staged that no save has taken (their cache memory is

@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates.jobs.writes import WriteWatch
 
 pytestmark = [*MARKS, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -132,3 +133,14 @@ def test_dtensor_state_of_a_foreign_mesh_saves_loads_and_reads_as_safetensors(
         local = src.to_local()
         if local.numel():
             assert any(t.dtype == local.dtype and torch.equal(t, local) for t in stored), name
+
+
+def test_an_in_place_op_on_a_dtensor_is_seen_by_the_write_watch(
+        meshes: tuple[DeviceMesh, DeviceMesh]) -> None:
+    """The op bumps the DTensor's version counter, not its local tensor's: the watch of a
+    save's DTensor sources must read the DTensor's."""
+    d = state_of(meshes)["fsdp_uneven"]
+    watch = WriteWatch({0: d})
+    with torch.no_grad():
+        d.add_(1.0)
+    assert watch.changed() == [0]

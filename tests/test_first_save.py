@@ -85,21 +85,22 @@ def test_first_save_and_guard_do_not_wait_for_the_cache(tmp_path: Path, make_eng
 def test_saves_while_the_cache_is_made_queue_behind_the_first(tmp_path: Path,
                                                                 make_engine) -> None:
     """Only the first snapshot goes aside; the next ones are copied, in order, once the cache
-    is ready (the guard of a training loop would wait for them: backpressure)."""
+    is ready. Each holds its state as it was at its call: CPU tensors are copied in the call,
+    so a write before the cache is ready reaches none of them."""
     slow = SlowArena()
     engine = make_engine(make_arena=slow, **ENGINE)
     states = [_state(seed) for seed in (1, 2, 3)]
-    first = clone_state(states[0])
+    at_call = [clone_state(s) for s in states]
     resps = [_async_save(s, tmp_path / f"ck{k}", engine) for k, s in enumerate(states)]
     assert slow.started.wait(TIMEOUT)
     _wait_until(lambda: engine.aside_bytes() > 0)  # the first snapshot is copied aside
     for s in states:
-        s["big"].zero_()  # before the cache is ready: seen by the queued snapshots only
+        s["big"].zero_()
     slow.gate.set()
     for resp in resps:
         resp.upload_completion.result(TIMEOUT)
     assert engine.aside_bytes() == 0
-    for k, want in enumerate([first, *states[1:]]):
+    for k, want in enumerate(at_call):
         assert_state_equal(load_into(want, tmp_path / f"ck{k}", engine=engine), want)
 
 

@@ -37,6 +37,12 @@ class CopyFence:
         self._free.set()
         self._passable.set()
 
+    def release_sources(self) -> None:
+        """The sources may change from now on (no copy reads them: the call copied them);
+        the fence is set once the snapshot is handed out."""
+        self._free.set()
+        self._passable.set()
+
     def is_set(self) -> bool:
         return self._done.is_set()
 

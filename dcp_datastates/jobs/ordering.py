@@ -247,7 +247,7 @@ class SaveOrder:
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
-            job.copied.order(self.engine.cuda)
+            job.order_after(self.engine.cuda)
 
     def reap(self) -> None:
         """End the saves DCP abandoned (rules 2 and 3)."""

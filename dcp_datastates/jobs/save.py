@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 
 from ..arenas import Memory
 from ..aside import stash
@@ -38,10 +40,12 @@ from ..snapshot import (
     SnapshotTarget,
     copies_done,
     issue_into,
+    keep_still,
     nbytes_of,
     offsets_of,
     place_sources,
     rebuild,
+    source_paths,
     walk,
 )
 from ..stats import SaveStats
@@ -49,6 +53,7 @@ from .commit import commit
 from .fence import CopyFence
 from .flush import write_data_file
 from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
+from .writes import WriteWatch
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -106,6 +111,8 @@ class SaveJob:
         self.target: SnapshotTarget | None = None  # where to snapshot into (async saves)
         self.snapshot: Snapshot | None = None  # the staged snapshot (async saves)
         self.leases: list[Lease] = []
+        self.writes = WriteWatch({})  # writes to the sources before their copies (async saves)
+        self.began_distributed = False  # staged under a process group of several ranks
         self._claim: DirectoryClaim | None = None
         self._lock = threading.RLock()
         self._ended = self._in_flight = False  # in flight: copies issued, not waited for
@@ -114,20 +121,30 @@ class SaveJob:
     def stage(self, state_dict: dict) -> StagedFuture:
         """Start the snapshot; return a Future of the staged state dict.
 
-        Runs on the caller's thread only to record the structure and a CUDA event; the copies
-        run on the engine's staging thread.
+        Runs on the caller's thread only to record the structure, copy what a lazy copy cannot
+        keep still (:func:`~dcp_datastates.snapshot.keep_still`: CPU tensors) and record a CUDA
+        event; the GPU copies run on the engine's staging thread.
         """
         self.tie.stager = threading.current_thread()
+        self.began_distributed = _distributed()
         sources: list[torch.Tensor] = []
-        dtensors: set[int] = set()
+        dtensors: dict[int, DTensor] = {}
         try:
             skeleton = walk(state_dict, sources, {}, dtensors)
+            keep_still(sources)
+            # an in-place op on a DTensor bumps its own version counter, not its local's
+            self.writes = WriteWatch({i: dtensors.get(i, t) for i, t in enumerate(sources)
+                                      if t.is_cuda})
             devices = {t.device.index for t in sources if t.is_cuda}
+            if not devices:
+                self.copied.release_sources()
             cuda = self.engine.cuda
             ready = cuda.record_current(devices) if devices and cuda is not None else None
+            self.engine.order_optimizer_steps()
             self.state = "staging"
             self.stats.blocking_s = time.perf_counter() - self.stats.start
-            self.engine.threads.stage.submit(self._stage, skeleton, sources, dtensors, ready)
+            self.engine.threads.stage.submit(self._stage, skeleton, sources, set(dtensors),
+                                             ready)
         except BaseException as exc:
             self.end(exc)
             raise
@@ -168,6 +185,9 @@ class SaveJob:
                           issued=self.copied.publish)
         finally:
             plan.drop_events(self.engine.cuda)
+        if not self._unwritten(plan):
+            aside.free()
+            return
         plan.sources.clear()
         plan.sources = list(aside.views)
         where = f"{format_size(aside.gpu_bytes)} on the GPU, {format_size(aside.host_bytes)} " \
@@ -211,6 +231,8 @@ class SaveJob:
         """On the settle thread: wait for the copies' end, then hand the staged state dict out."""
         try:
             self.stats.copy_s = copies_done(copies)
+            if not self._unwritten(plan):
+                return None
             snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
             snapshot.sums = copies.checksums if copies is not None else {}
             state = rebuild(plan.skeleton, staged, {})
@@ -224,6 +246,29 @@ class SaveJob:
         _note_staged(self.stats, staged, snapshot.overflow, self.ticket)
         self.tie.deliver(state)
         self.copied.set()  # after the staged future: a guard that waited finds it done
+
+    def _unwritten(self, plan: _Plan) -> bool:
+        """Whether no source was written in place before its copy was ordered ahead of the
+        training's work (:mod:`.writes`); if one was, the save ends, naming them."""
+        changed = self.writes.changed()
+        if not changed:
+            return True
+        paths = source_paths(plan.skeleton)
+        names = ", ".join(repr(paths.get(i, f"#{i}")) for i in changed[:5])
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        self.end(CheckpointError(
+            f"save {self.ticket}: {names}{more} changed in place after the save was called "
+            f"and before the snapshot's copies were ordered ahead of the change, so the "
+            f"snapshot may mix old and new values; it is not committed (a checkpoint there "
+            f"before is intact). optimizer.step() waits for the copies by itself; before "
+            f"changing the state otherwise, wait for the save's staging_completion"))
+        return False
+
+    def order_after(self, cuda: CudaCopier | None) -> None:
+        """Hold the work the calling thread queues next until the snapshot's copies are over
+        (on the GPU where they were issued there): the sources may change from then on."""
+        self.copied.order(cuda)
+        self.writes.fence()
 
     def _settled(self, plan: _Plan) -> None:  # no copy reads the sources or fills the lease
         plan.sources.clear()
@@ -251,6 +296,14 @@ class SaveJob:
         self.order.run(self, CALLS.index("reset"))
 
     def set_up(self, is_coordinator: bool) -> None:
+        """DCP starts the save's storage steps; refuse one that began under a process group
+        that is gone (DCP then saves each rank's part as a whole checkpoint of its own)."""
+        if self.began_distributed and not _distributed():
+            raise CheckpointError(
+                f"save {self.ticket}: the process group was destroyed while the save was in "
+                f"flight, so it could cover this rank's part only; it is not committed (a "
+                f"checkpoint there before is intact). Wait for the save's upload_completion "
+                f"before dist.destroy_process_group()")
         self.is_coordinator = is_coordinator
 
     def prepare(self, overwrite: bool) -> None:
@@ -386,3 +439,8 @@ def _note_staged(stats: SaveStats, staged: list[torch.Tensor], overflow: int,
             "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
             "staged in pageable memory (slower); give the engine a larger host_cache_size",
             ticket, format_size(overflow))
+
+
+def _distributed() -> bool:
+    """Whether a process group of several ranks is up in this process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -118,6 +118,8 @@ class CheckpointManager:
             remove_dead_unfinished(self.memory)  # only its holder cleans a tier
             self._wire()
             self._unclosed = Unclosed.track(self)  # the engine's close finishes it: exit too
+            self._timing = None if self._budget is None else self.engine.time_step_waits(
+                self._budget.wait)  # every optimizer step waits for the engine's snapshots
             views = self._restorer.views()
             self._taken = held(views)  # steps some tier holds: a save of one replaces it
             if self._persister is not None:
@@ -260,6 +262,8 @@ class CheckpointManager:
     def _stop(self) -> None:
         """Stop the manager's threads (once its saves are over) and unmap its slots."""
         self._unclosed.untrack()
+        if self._timing is not None:
+            self._timing.remove()
         self._saver.close()
         self._after.shutdown(wait=True)
         if self._persister is not None:
@@ -326,7 +330,7 @@ def _warn_of_newer(memory: Path, step: int) -> None:
 def _snapshot_size(state: dict) -> tuple[int, int]:
     """The bytes a snapshot of ``state`` takes, and its tensor count."""
     sources: list[torch.Tensor] = []
-    walk(plain(state), sources, {}, set())
+    walk(plain(state), sources, {}, {})
     _offsets, total = layout(sources)
     return total, len(sources)
 

@@ -1,0 +1,33 @@
+"""A save in flight when the script ends with ``dist.destroy_process_group()``: it is committed
+whole (every rank's items) or not at all, and the exit says which."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import MARKS
+
+from dcp_datastates.metadata_file import read_metadata
+
+pytestmark = MARKS
+
+JOB = Path(__file__).with_name("teardown_job.py")
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_destroyed_group_never_commits_part_of_the_ranks(tmp_path: Path, run: int) -> None:
+    env = {**os.environ, "PYTHONPATH": str(JOB.parent.parent)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(JOB), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    meta = tmp_path / "ckpt" / ".metadata"
+    if meta.exists():
+        names = {k.split(".")[0] for k in read_metadata(meta.parent).state_dict_metadata}
+        assert names == {"rank0", "rank1", "both"}, f"a commit of part of the ranks: {names}"
+    else:
+        assert "the process group was destroyed while the save was in flight" in done.stderr, \
+            done.stderr[-3000:]
