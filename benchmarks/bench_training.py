@@ -188,29 +188,44 @@ def main() -> None:
                 f"{format_size(free_bytes(memory))} free"
                 + (" (TOO LITTLE: saves will fail with TierFullError)"
                    if free_bytes(memory) < shm else ""))
-    for i, mode in enumerate(plan):
-        name = mode if mode not in plan[:i] else f"{mode}#2"
-        rec: dict = {}
-        t_mode = time.perf_counter()
-        keep = name in READERS or name == restart_mode
-        host = run.guard(name, run_mode, MODES[mode], cx, root / name, rec, keep)
-        res["runs"][name] = slowest(ranks.gather(rec))
-        if "setup_s" in res["runs"][name]:
-            res["setup"][f"{name} manager + prepare"] = res["runs"][name]["setup_s"]
-        run.guard(f"{name}: after", after_mode, cx, name, root / name, host, res)
+    try:
+        for i, mode in enumerate(plan):
+            name = mode if mode not in plan[:i] else f"{mode}#2"
+            rec: dict = {}
+            t_mode = time.perf_counter()
+            keep = name in READERS or name == restart_mode
+            host = run.guard(name, run_mode, MODES[mode], cx, root / name, rec, keep)
+            res["runs"][name] = slowest(ranks.gather(rec))
+            if "setup_s" in res["runs"][name]:
+                res["setup"][f"{name} manager + prepare"] = res["runs"][name]["setup_s"]
+            run.guard(f"{name}: after", after_mode, cx, name, root / name, host, res)
+            if ranks.lead:
+                log(f"{name}: {mode_line(res['runs'][name])}; mode took "
+                    f"{time.perf_counter() - t_mode:.1f} s (elapsed "
+                    f"{time.perf_counter() - t_start:.0f} s)")
+                run.write()  # what is done so far, should a later mode fail
+        res.update(run.guard("ceilings", ceilings, cx, root, local) or {})
+    finally:  # the tables of what was measured, also where a rank failed (fail fast)
         if ranks.lead:
-            steps = res["runs"][name].get("step_s", [])
-            tier = res["runs"][name].get("tiers")
-            log(f"{name}: {len(steps)} steps, median {ms(median(steps)) or 0:.1f} ms, mean "
-                f"{ms(sum(steps) / max(1, len(steps))):.1f} ms, max "
-                f"{ms(max(steps, default=0)):.1f} ms"
-                + (f"; {tier['saves']} saves, {tier.get('skipped', 0)} skipped, "
-                   f"{tier['persisted']} persisted" if tier else "")
-                + f"; mode took {time.perf_counter() - t_mode:.1f} s (elapsed "
-                  f"{time.perf_counter() - t_start:.0f} s)")
-            run.write()  # what is done so far, should a later mode fail
+            report(run)
+    ranks.close()
 
-    res.update(run.guard("ceilings", ceilings, cx, root, local) or {})
+
+def mode_line(rec: dict) -> str:
+    steps = rec.get("step_s", [])
+    tier = rec.get("tiers")
+    return (f"{len(steps)} steps, median {ms(median(steps)) or 0:.1f} ms, mean "
+            f"{ms(sum(steps) / max(1, len(steps))):.1f} ms, max "
+            f"{ms(max(steps, default=0)):.1f} ms"
+            + (f"; {tier['saves']} saves, {tier.get('skipped', 0)} skipped, "
+               f"{tier['persisted']} persisted" if tier else ""))
+
+
+def report(run: Run) -> None:
+    """Each mode's summary against the no-checkpoint steps (both runs), the tables, the JSON
+    and the PNG."""
+    run.fail_fast = False  # nothing collective from here: a table that fails is recorded
+    res = run.res
     runs = res["runs"]
     both = runs.get("none", {}).get("step_s", []) + runs.get("none#2", {}).get("step_s", [])
     if "none#2" in runs:
@@ -219,9 +234,7 @@ def main() -> None:
     base = median(both)
     res["summary"] = {m: summarize({"step_s": both} if m == "none" else r, base)
                       for m, r in runs.items() if m != "none#2"}
-    if ranks.lead:
-        run.finish(tables, plot)
-    ranks.close()
+    run.finish(tables, plot)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ def pct(x: float | None, of: float | None) -> float | None:
     return 100 * x / of if x and of else None
 
 
+def at(xs: list, i: int) -> object:
+    """``xs[i]``, or None past its end (a mode that failed midway)."""
+    return xs[i] if i < len(xs) else None
+
+
 def summarize(rec: dict, base: float | None) -> dict:
     """One mode's figures against ``base``, the median step without checkpoints."""
     steps = rec.get("step_s", [])
@@ -86,7 +91,10 @@ def step_table(res: dict) -> Table:
               f"AdamW, batch {res['batch']} x seq {res['seq']} per rank on {res['device']}, "
               f"{where}, {res['steps']} steps per mode; checkpoint of {sizes(res)} (model + "
               f"optimizer state) every {res['dcp_every']} steps (DCP modes), every "
-              f"{res['every']} (tiers) or every step, to {res['dir']}",
+              f"{res['every']} (tiers) or every step, to {res['dir']}; managers' slots: "
+              + ("prepare(state) in the background, timed from the first step"
+                 if res["prepare"] == "background" else
+                 "prepare(state, wait=True) off the clock (steady state)"),
               [("mode", ""), ("median ms", ".1f"), ("median +", "+.2f%"), ("mean +", "+.1f%"),
                ("max ms", ".1f"), ("max/none", ".2fx"), (">1.5x med", "d"), ("saves", "d"),
                ("skipped", "d"), (f"taken <={EARLY}", ".0f%"), (f"taken >{EARLY}", ".0f%"),
@@ -161,12 +169,12 @@ def dcp_tables(res: dict) -> list[Table]:
         steps, waits = r["step_s"], r["wait_s"]
         copies = (r.get("snapshots") or {}).get("copy_s", [])
         for i, s in enumerate(r["ckpt_steps"]):
-            staged, durable = r["staged_s"][i], r["durable_s"][i]
+            staged, durable = at(r["staged_s"], i), at(r["durable_s"], i)
             rate = total / world / GiB / staged if staged else None
             agg = total / GiB / durable if durable else None
-            t.add(mode, i + 1, s, ms(r["block_s"][i] + (waits[s] if s < len(waits) else 0)),
+            t.add(mode, i + 1, s, ms(r["block_s"][i] + (at(waits, s) or 0)),
                   ms(sum(steps[j] - base for j in (s - 1, s) if j < len(steps))), staged,
-                  copies[i] if i < len(copies) else None, rate, pct(rate, d2h), durable, agg,
+                  at(copies, i), rate, pct(rate, d2h), durable, agg,
                   pct(agg, disk.get("write_gib_s")))
     t.notes = [
         "stall: the dcp.async_save call (a fresh writer made in it) + the wait right before "
