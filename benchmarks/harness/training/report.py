@@ -104,10 +104,6 @@ def step_table(res: dict) -> Table:
               ms(r["max_s"]), r["max_over_base"], r["over_1_5x"], r["saves"], r["skipped"],
               r["taken_early_pct"], r["taken_later_pct"], ms(r["block_median_s"]),
               ms(r["state_dict_median_s"]), r["wait_total_s"], r["upload_wait_total_s"])
-    prepare = ("prepare(state) without waiting, right before the first timed step (the "
-               "README's idiom: slots pinned in the background while training runs)"
-               if res["prepare"] == "background" else "prepare(state, wait=True) off the "
-               "clock (the steady state: every slot pinned before the first step)")
     t.notes = [
         "times: the slowest rank's; median +: median step vs no checkpoint; mean +: mean step "
         "vs the no-checkpoint median; max/none: the slowest step over that median",
@@ -118,8 +114,10 @@ def step_table(res: dict) -> Table:
         "right before optimizer.step (DCP: staging_completion.result(); ours and tiers: the "
         "guard); durable-w: total wait for the previous checkpoint to be durable before the "
         "next starts (DCP's idiom keeps one in flight)",
-        f"CheckpointManager modes: a fresh manager each (keep_memory=2, keep_durable=1, "
-        f"persist='idle', the default engine), guard(optimizer, source=manager), {prepare}",
+        "CheckpointManager modes: a fresh manager each (keep_memory=2, keep_durable=1, "
+        "persist='idle', the default engine), guard(optimizer, source=manager); background: "
+        "prepare(state) right before the first timed step, as the README says (slots pinned "
+        "while training runs); wait: prepare(state, wait=True) off the clock",
         "one-time, before the first timed step: " + (", ".join(
             f"{k} {v:.2f} s" for k, v in res["setup"].items()) or "nothing")]
     if res.get("baseline_drift_pct") is not None:
