@@ -17,8 +17,10 @@ the durable tier, to the first training step.
 Under torchrun each rank trains its FSDP2 shard on its own GPU (``LOCAL_RANK``); a step's time
 is the slowest rank's; rank 0 prints the tables and writes the JSON and the PNG.
 
-    python benchmarks/bench_training.py --preset 8g                     # one GPU
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_training.py --preset 8gib
+    python benchmarks/bench_training.py --preset 8g --steps 120 --dcp-every 30   # one GPU
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_training.py --preset 8gib \
+        --steps 120 --dcp-every 30                                      # FSDP2 on two GPUs
+    ... --prepare wait --skip dcp_pinned ours        # the managers' steady state, to compare
     python benchmarks/bench_training.py --cpu-smoke                     # checks the code paths
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_training.py --cpu-smoke
 """
@@ -69,9 +71,9 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--fp32", action="store_true",
                     help="fp32 parameters and AdamW state, bf16 autocast compute")
     ap.add_argument("--preset", choices=list(PRESETS),
-                    help="8g: 12 layers, fp32 state (7.5 GiB), batch 16 (~160 ms steps on an "
-                         "H100); 8gib: 13 layers, fp32 state (8.07 GiB in total: 4.03 GiB a "
-                         "rank on two), batch 16 per rank. Default: 20 layers, bf16 (6 GiB)")
+                    help="8g: 12 layers, fp32 state (7.5 GiB), batch 16; 8gib: 13 layers, "
+                         "fp32 state (8.07 GiB in total: 4.03 GiB a rank on two), batch 16 "
+                         "per rank. Default: 20 layers, bf16 (6 GiB)")
     ap.add_argument("--steps", type=int, default=40,
                     help="timed steps per mode: a multiple of --every and --dcp-every (the "
                          "last step saves: its checkpoint is loaded back and checked)")
