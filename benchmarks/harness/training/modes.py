@@ -126,7 +126,8 @@ def ours(cx: Context, path: Path, rec: dict) -> Iterator[Save]:
         yield save
     rec["snapshots"] = {"bytes": state_bytes(cx.tr.state(0)),
                         "copy_s": [st.copy_s for st in stats],
-                        "snapshot_s": [st.snapshot_s for st in stats]}
+                        "snapshot_s": [st.snapshot_s for st in stats],
+                        "durable_s": [st.durable_s for st in stats]}
     if stats:
         st = stats[-1]
         rec["ours_last_stats"] = {"backend": st.backend, "o_direct": st.direct_io,
