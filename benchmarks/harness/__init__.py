@@ -11,6 +11,8 @@
 * ``machine``: what the machine is (CPU, GPU, kernel, versions, file systems) and has (room).
 * ``run``: one run's command line, date, errors, tables, JSON and PNG.
 * ``plots``: the matplotlib pieces of the PNGs.
+* ``ranks``: one process, or the ranks torchrun started (process groups, gathers, barriers).
+* ``training``: ``bench_training.py``'s model, modes, timed loop, loads and report.
 """
 
 import sys

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -19,7 +20,7 @@ def futures(response: object) -> tuple[Future | None, Future]:
 
 def async_save_pinned(state: dict, path: Path, gpu: bool) -> object:
     """``dcp.async_save`` with FileSystemWriter and DCP's fastest stager: pinned memory, async
-    staging, non-blocking copies (GPU only).
+    staging, non-blocking copies (GPU only); on the default process group where there is one.
 
     A fresh stager per save, closed once durable: reusing one raises KeyError(<class 'type'>)
     in torch 2.11's StateDictStager deep copy (seen on the H100 machine).
@@ -27,6 +28,6 @@ def async_save_pinned(state: dict, path: Path, gpu: bool) -> object:
     stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
                                           use_async_staging=True, use_non_blocking_copy=gpu))
     resp = dcp.async_save(state, checkpoint_id=path, storage_writer=FileSystemWriter(path),
-                          async_stager=stager, no_dist=True)
+                          async_stager=stager, no_dist=not dist.is_initialized())
     futures(resp)[1].add_done_callback(lambda _: stager.close())
     return resp

@@ -1,6 +1,8 @@
 """The machine's ceilings, measured in the run, and page-cache dropping for cold reads.
 
-Each is the plainest way to move the bytes: one stream, no checksums, no planning.
+Each is the plainest way to move the bytes: one stream, no checksums, no planning. Several
+ranks measure at once where each is given the same ``barrier`` (every rank its own file, its
+own GPU); ``*_together`` makes one figure of theirs.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,19 +69,28 @@ def _gib_s(nbytes: int, write_s: float, read_s: float, **more: object) -> dict:
             "read_gib_s": nbytes / GiB / read_s, **more}
 
 
-def disk_ceiling(directory: Path, nbytes: int) -> dict:
+def _alone() -> None:
+    """The barrier of a rank measuring alone."""
+
+
+def disk_ceiling(directory: Path, nbytes: int, *, name: str = "ceiling_disk.bin",
+                 barrier: Callable[[], None] = _alone) -> dict:
     """A write of ``nbytes`` (then fsync) and a cold read back, one 4 MiB block at a time with
     O_DIRECT, as ``dd bs=4M oflag=direct conv=fsync`` and ``dd iflag=direct`` do; buffered
-    where the file system refuses O_DIRECT (``o_direct`` False, the page cache dropped)."""
-    path, count = directory / "ceiling_disk.bin", max(1, nbytes // BLOCK)
+    where the file system refuses O_DIRECT (``o_direct`` False, the page cache dropped).
+    ``barrier`` is passed before the write, before the cache is dropped and before the read."""
+    path, count = directory / name, max(1, nbytes // BLOCK)
     buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
     buf.write(os.urandom(BLOCK))
     views = [memoryview(buf)] * count
+    barrier()
     try:
         write_s, direct = _write_file(path, views, os.O_DIRECT), True
     except OSError:
         write_s, direct = _write_file(path, views, 0), False
+    barrier()
     evict = drop_cache([path])
+    barrier()
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
         t0 = time.perf_counter()
@@ -88,7 +100,8 @@ def disk_ceiling(directory: Path, nbytes: int) -> dict:
     finally:
         os.close(fd)
         path.unlink()
-    return _gib_s(count * BLOCK, write_s, read_s, o_direct=direct, evict=evict)
+    return _gib_s(count * BLOCK, write_s, read_s, o_direct=direct, evict=evict,
+                  bytes=count * BLOCK)
 
 
 def memory_ceiling(directory: Path, src: list[memoryview], dst: list[memoryview]) -> dict:
@@ -105,8 +118,9 @@ def memory_ceiling(directory: Path, src: list[memoryview], dst: list[memoryview]
     return _gib_s(sum(v.nbytes for v in src), write_s, read_s)
 
 
-def copy_ceiling(nbytes: int = GiB, reps: int = 5) -> dict:
-    """Pinned D2H and H2D bandwidth of one ``nbytes`` copy (median of ``reps``), GiB/s."""
+def copy_ceiling(nbytes: int = GiB, reps: int = 5, barrier: Callable[[], None] = _alone) -> dict:
+    """Pinned D2H and H2D bandwidth of one ``nbytes`` copy (median of ``reps``), GiB/s;
+    ``barrier`` is passed before each copy."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     out = {}
@@ -114,9 +128,27 @@ def copy_ceiling(nbytes: int = GiB, reps: int = 5) -> dict:
         times = []
         for _ in range(reps + 1):  # the first copy warms up
             sync()
+            barrier()
             t0 = time.perf_counter()
             dst.copy_(src, non_blocking=True)
             sync()
             times.append(time.perf_counter() - t0)
         out[name] = nbytes / GiB / median(times, skip=1)
     return out
+
+
+def copies_together(per_rank: list[dict]) -> dict:
+    """Every rank's :func:`copy_ceiling`, measured at once, as the job's: each rate the
+    slowest rank's, and (``*_sum``) the sum of the ranks' rates."""
+    out = {k: min(r[k] for r in per_rank) for k in per_rank[0]}
+    return {**out, **{f"{k}_sum": sum(r[k] for r in per_rank) for k in out}, "ranks": per_rank}
+
+
+def disk_together(per_rank: list[dict]) -> dict:
+    """Every rank's :func:`disk_ceiling`, measured at once (each its own file), as the job's:
+    the bytes of every rank over the slowest rank's seconds."""
+    nbytes = sum(r["bytes"] for r in per_rank)
+    return _gib_s(nbytes, max(r["write_s"] for r in per_rank),
+                  max(r["read_s"] for r in per_rank), bytes=nbytes,
+                  o_direct=all(r["o_direct"] for r in per_rank), evict=per_rank[0]["evict"],
+                  ranks=per_rank)

@@ -54,10 +54,12 @@ class Run:
     """What one run records: its command, date, machine, figures, tables and errors.
 
     ``res`` is the JSON: benchmarks add their figures to it; ``show`` adds a table.
+    ``fail_fast``: ``guard`` raises what failed once it is recorded (a rank of several that
+    went on alone would wait for the others forever).
     """
 
     def __init__(self, name: str, args: argparse.Namespace, dirs: list[Path] = (), *,
-                 launcher: str = "python") -> None:
+                 launcher: str = "python", fail_fast: bool = False) -> None:
         smoke = getattr(args, "cpu_smoke", False)
         if getattr(args, "log", None) is not None:
             handler = logging.FileHandler(args.log, mode="w")
@@ -67,6 +69,7 @@ class Run:
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
         self.t0 = time.perf_counter()
+        self.fail_fast = fail_fast
         self.json = args.json or OUT / f"{name}{'_cpu_smoke' if smoke else ''}.json"
         self.res: dict = {
             "benchmark": name, "command": command_line(launcher), "argv": sys.argv,
@@ -78,13 +81,16 @@ class Run:
         log(f"{self.res['command']}\nmachine: {summary(self.res['machine'])}")
 
     def guard(self, what: str, fn, *args: object, **kwargs: object) -> object:
-        """Run ``fn``; on failure log the traceback's tail, record it, and return None."""
+        """Run ``fn``; on failure log the traceback's tail, record it, and return None (or
+        raise it again, with ``fail_fast``)."""
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - report and keep the other variants going
             tail = "".join(traceback.format_exception(exc)).strip().splitlines()[-12:]
             log(f"!! {what} FAILED: {type(exc).__name__}: {exc}\n   " + "\n   ".join(tail))
             self.res["errors"].setdefault(what, []).append(f"{type(exc).__name__}: {exc}")
+            if self.fail_fast:
+                raise
             return None
 
     def show(self, table: Table) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 
 import torch
@@ -101,8 +102,15 @@ def blank(state: dict) -> dict:
 def _same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(
-            a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+            a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8).to(a.device))
     return a == b
+
+
+def host_copy(obj: object) -> dict[str, object]:
+    """``obj``'s leaves by dotted name (what :func:`differs` compares), tensors (DTensors: their
+    local shards) copied into host memory, other values copied."""
+    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in leaves(obj)}
 
 
 def differs(src: object, dst: object) -> list[str]:
