@@ -25,16 +25,16 @@ def log(msg: str) -> None:
 
 
 def parser(doc: str, smoke: str | None = None) -> argparse.ArgumentParser:
-    """The script's arguments, with ``doc`` as their help: ``--json`` and ``--log``, which every
-    one has, and ``--cpu-smoke`` (a small run on CPU that checks the code paths: ``smoke`` says
-    how)."""
+    """The script's arguments, with ``doc`` as their help: ``--json`` and ``--library-log``,
+    which every one has, and ``--cpu-smoke`` (a small run on CPU that checks the code paths:
+    ``smoke`` says how)."""
     head, _, rest = doc.strip().partition("\n\n")
     ap = argparse.ArgumentParser(description=head, epilog=rest,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None,
                     help="the results' JSON, the PNG goes beside it (default: "
                     "benchmarks/out/<script>.json, <script>_cpu_smoke.json in a CPU smoke run)")
-    ap.add_argument("--log", type=Path, default=None,
+    ap.add_argument("--library-log", dest="log", type=Path, default=None,
                     help="write dcp_datastates' log at INFO level (each save's and load's "
                     "figures) to this file")
     if smoke:
