@@ -114,7 +114,7 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
     if isinstance(obj, DTensor):
         dtensors[len(sources)] = obj
         out: object = _DTensorRef(len(sources), obj._spec)
-        local = obj.to_local().detach()
+        local = obj._local_tensor.detach()  # to_local() goes through autograd: far slower
         sources.append(local.contiguous() if local.is_cuda else local)
     elif isinstance(obj, torch.Tensor):
         attrs = tuple((a, getattr(obj, a)) for a in SHARD_ATTRS if hasattr(obj, a))

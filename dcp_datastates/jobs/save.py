@@ -185,9 +185,9 @@ class SaveJob:
                           issued=self.copied.publish)
         finally:
             plan.drop_events(self.engine.cuda)
-        if not self._unwritten(plan):
+        if (error := self._written(plan)) is not None:
             aside.free()
-            return
+            return self.end(error)
         plan.sources.clear()
         plan.sources = list(aside.views)
         where = f"{format_size(aside.gpu_bytes)} on the GPU, {format_size(aside.host_bytes)} " \
@@ -228,18 +228,20 @@ class SaveJob:
 
     def _settle(self, plan: _Plan, snapshot: Snapshot, staged: list[torch.Tensor],
                 copies: IssuedCopies | None) -> None:
-        """On the settle thread: wait for the copies' end, then hand the staged state dict out."""
+        """On the settle thread: wait for the copies' end, then hand the staged state dict out
+        (or, once no copy is left, fail the save)."""
         try:
             self.stats.copy_s = copies_done(copies)
-            if not self._unwritten(plan):
-                return None
-            snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
-            snapshot.sums = copies.checksums if copies is not None else {}
-            state = rebuild(plan.skeleton, staged, {})
+            error = self._written(plan)
+            if error is None:
+                snapshot.copies = {t.data_ptr(): k for k, t in enumerate(staged) if t.numel()}
+                snapshot.sums = copies.checksums if copies is not None else {}
+                state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
-            return self.end(exc)
-        finally:
-            self._settled(plan)
+            error = exc
+        self._settled(plan)  # before the futures tell of an error: nothing is held then
+        if error is not None:
+            return self.end(error)
         if self._ended:  # closed or discarded meanwhile: nothing to hand out
             return None
         self.snapshot, self.state = snapshot, "staged"
@@ -247,22 +249,21 @@ class SaveJob:
         self.tie.deliver(state)
         self.copied.set()  # after the staged future: a guard that waited finds it done
 
-    def _unwritten(self, plan: _Plan) -> bool:
-        """Whether no source was written in place before its copy was ordered ahead of the
-        training's work (:mod:`.writes`); if one was, the save ends, naming them."""
+    def _written(self, plan: _Plan) -> CheckpointError | None:
+        """The error of a save some of whose sources were written in place before their
+        copies were ordered ahead of the training's work (:mod:`.writes`): it names them."""
         changed = self.writes.changed()
         if not changed:
-            return True
+            return None
         paths = source_paths(plan.skeleton)
         names = ", ".join(repr(paths.get(i, f"#{i}")) for i in changed[:5])
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-        self.end(CheckpointError(
+        return CheckpointError(
             f"save {self.ticket}: {names}{more} changed in place after the save was called "
             f"and before the snapshot's copies were ordered ahead of the change, so the "
             f"snapshot may mix old and new values; it is not committed (a checkpoint there "
             f"before is intact). optimizer.step() waits for the copies by itself; before "
-            f"changing the state otherwise, wait for the save's staging_completion"))
-        return False
+            f"changing the state otherwise, wait for the save's staging_completion")
 
     def order_after(self, cuda: CudaCopier | None) -> None:
         """Hold the work the calling thread queues next until the snapshot's copies are over

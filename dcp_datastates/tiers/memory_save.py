@@ -159,7 +159,7 @@ def state_bytes(state: dict) -> int:
             continue
         seen.add(id(obj))
         if isinstance(obj, DTensor):
-            total += round_up(nbytes_of(obj.to_local()))
+            total += round_up(nbytes_of(obj._local_tensor))
         elif isinstance(obj, torch.Tensor):
             total += round_up(nbytes_of(obj))
         elif isinstance(obj, dict):
