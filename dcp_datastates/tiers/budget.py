@@ -22,6 +22,13 @@ long pause lets one save through, not a burst, and an interval a few ms slower t
 cost the intervals earn with room to spare (capped at one save's cost, a budget of 5% took a
 save every 2-3 steps on an H100 where each cost under 4% of a step).
 
+While the memory tier is being set up (its slots sized and pinned in the background, after
+``prepare()`` or the first saves), the loop runs slower whether a save is in flight or not:
+those intervals are neither charged to the saves in flight nor taken as the baseline, and each
+earns what a typical interval does (the baseline's, once known), so a one-time start-up cost
+neither starves the account for minutes nor pays for a burst of saves; a save's call and the
+guard's waits for its snapshot are charged as always.
+
 A save is skipped at once (nothing staged, nothing written) when the account cannot pay for it,
 when the previous save's snapshot is still copying (taking it would make the guard wait on the
 CPU; copies issued on the GPU do not count: the training's next work queues behind them), or
@@ -138,19 +145,26 @@ class Drag:
         self._flying: list[_Flight] = []
         self._pending: list[tuple[float, float, list[SaveHandle]]] = []  # before a baseline
         self._landed: list[SaveHandle] = []  # commits done in the last interval
+        self._setting_up: list[float] = []  # intervals of the tier's set-up, before a baseline
 
     def track(self, handle: SaveHandle) -> None:
         """``handle`` was taken: it is in flight until its memory commit is done."""
         self._flying.append(_Flight(handle, self.clock))
 
     def interval(self, start: float, end: float, training_s: float,
-                 waited_s: float) -> tuple[float, float]:
+                 waited_s: float, setting_up: bool = False) -> tuple[float, float]:
         """The loop ran from ``start`` to ``end`` (``training_s`` of it outside the guard's
         waits): the slowdown to charge now and the training time it leaves to earn on (an
-        interval kept for want of a baseline earns nothing until one exists)."""
+        interval kept for want of a baseline earns nothing until one exists). An interval
+        ``setting_up`` the tier is charged nothing and earns at most the baseline."""
         flights = [f for f in self._flying if f.done_at is None or f.done_at > start]
         landed, self._landed = self._landed, [f.handle for f in flights
                                               if f.done_at is not None and f.done_at <= end]
+        if setting_up:  # slowed by the set-up: earns what a typical interval does
+            if len(self._quiet) >= QUIET_MIN:
+                return 0.0, min(training_s, self.baseline())
+            self._setting_up.append(training_s)
+            return 0.0, 0.0
         if not flights and landed:
             return self._overlap((training_s, 0.0, landed))  # only shorter counts: ran 0
         if not flights:
@@ -159,7 +173,9 @@ class Drag:
                 return 0.0, training_s
             pending, self._pending = self._pending + [(training_s, 0.0, [])], []
             charged = [(self._charge(*p), p[0]) for p in pending]
-            return sum(c for c, _ in charged), sum(t - c for c, t in charged)
+            set_up, self._setting_up = self._setting_up, []
+            return (sum(c for c, _ in charged), sum(t - c for c, t in charged)
+                    + sum(min(t, self.baseline()) for t in set_up))
         ran = max(end if f.done_at is None else min(f.done_at, end) for f in flights) - start
         return self._overlap((training_s, max(0.0, ran - waited_s), [f.handle for f in flights]))
 
@@ -218,8 +234,9 @@ class Budget:
         Collective under ``torch.distributed``."""
         now = self._call = self.clock()
         if self._mark is not None:
-            slowdown, training = self.drag.interval(self._mark, now, now - self._mark
-                                                    - self._waited, self._waited)
+            slowdown, training = self.drag.interval(
+                self._mark, now, now - self._mark - self._waited, self._waited,
+                setting_up=slots is not None and slots.readying())
             self.account.spend(slowdown)
         self._close_open(now)
         if self._mark is not None:

@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -193,6 +194,14 @@ class SlotPool:
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
 
+    def readying(self) -> bool:
+        """Whether the pool's thread still has free slots to size or pin (the tier is being
+        set up: the loop runs slower meanwhile, a save in flight or not)."""
+        with self._lock:
+            return bool(self._readying) or (
+                self._want is not None and not self._failed and not self._closed
+                and any(not s.pinned for s in self._free))
+
     def take(self, later: bool = False) -> Slot | NextSlot | None:
         """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
         exist), unless saves wait for one. Else None, or with ``later`` the next one to come
@@ -280,10 +289,14 @@ class SlotPool:
             self._readying.append(slot)
             want = self._want
         try:
+            start = time.perf_counter()
             if slot.arena is None:
                 slot.fit(*want)
+            sized = time.perf_counter()
             self.engine.pin_file(slot.arena)
             slot.pinned = True
+            log.info("dcp_datastates: %s ready: sized in %.2f s, pinned in %.2f s", slot,
+                     sized - start, time.perf_counter() - sized)
         except Exception as exc:  # noqa: BLE001 - no caller: saves go on, unpinned
             log.warning("dcp_datastates: %s not pinned (%s); no more slots are pinned: "
                         "snapshots into them are copied at pageable speed", slot, exc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -11,6 +13,8 @@ from harness.states import host_copy, state_bytes
 from harness.timing import DoneAt, step_sync, sync
 
 from .modes import Context, Mode
+
+log = logging.getLogger("dcp_datastates.bench")
 
 
 def run_mode(mode: Mode, cx: Context, path: Path, rec: dict, keep: bool = False) -> dict | None:
@@ -78,6 +82,7 @@ def run_mode(mode: Mode, cx: Context, path: Path, rec: dict, keep: bool = False)
                     rec["ckpt_steps"].append(s)
                 step_sync()
                 rec["step_s"].append(time.perf_counter() - t0)
+                _note_slow(rec["step_s"], s, mode.label)
             if staging is not None:
                 staging.result()
             if keep and state is not None:
@@ -91,6 +96,13 @@ def run_mode(mode: Mode, cx: Context, path: Path, rec: dict, keep: bool = False)
                 if ok:
                     raise
     return host
+
+
+def _note_slow(steps: list[float], step: int, mode: str) -> None:
+    """Put a step over 1.5x the mode's median so far in the library's log (``--library-log``),
+    among the library's own lines of that moment."""
+    if len(steps) > 5 and steps[-1] > 1.5 * statistics.median(steps):
+        log.info("bench: step %d of %s took %.0f ms", step, mode, 1e3 * steps[-1])
 
 
 def slowest(recs: list[dict]) -> dict:
