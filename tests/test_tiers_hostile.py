@@ -295,6 +295,36 @@ def test_going_back_sets_the_newer_steps_aside(tiers: Tiers, engine: Engine,
     assert any(f"durable steps [3, 4] were moved to {aside}" in m for m in messages), messages
 
 
+def test_a_save_of_an_older_step_is_refused_naming_the_newest(tiers: Tiers,
+                                                               engine: Engine) -> None:
+    """A step counter that starts again (a script run again from scratch into the same
+    durable_dir, a counter per epoch): save() of a step older than the newest one raises at
+    once, naming that step and the ways out, and writes nothing; the newer steps stay, and
+    latest_step() still names them. Going back with load(step=) first is allowed."""
+    states = {s: make_state(s) for s in (10, 20, 11)}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=1,
+                           engine=engine) as manager:
+        for step in (10, 20):
+            manager.save(step, states[step]).result(timeout=30)
+        with pytest.raises(ValueError, match=r"step 3 refused: step 20 is the newest"):
+            manager.save(3, make_state(3))
+    memory = tiers.scratch / "memory2"  # a run started again: the same durable_dir
+    with CheckpointManager(tiers.durable, memory_dir=memory, persist=1,
+                           engine=engine) as manager:
+        with pytest.raises(ValueError, match=r"step 5 refused: step 20 is the newest .*new "
+                                             r"directories .*load\(state, step=N\)") as info:
+            manager.save(5, make_state(5))
+        assert str(tiers.durable / ".abandoned") in str(info.value)
+        assert not (memory / "step_5").exists()
+        assert manager.latest_step() == 20
+        out = blank_like(states[10])
+        assert manager.load(out, step=10) == 10
+        manager.save(11, states[11]).result(timeout=30)
+        assert manager.latest_step() == 11
+    assert steps_in(tiers.durable) == [10, 11]
+    assert_state_equal(load_into(states[11], tiers.durable / "step_11"), states[11])
+
+
 # -- the persist that close() (or a new manager) makes ------------------------------------------
 def test_a_failed_final_persist_is_raised_by_close(tiers: Tiers) -> None:
     """close() persists the newest step when the durable tier lacks it: when that persist

@@ -44,7 +44,7 @@ from .reports import Reports
 from .restore import Restorer, held, pick
 from .retention import Retention
 from .slots import SlotPool
-from .steps import committed_steps, remove_dead_unfinished
+from .steps import remove_dead_unfinished
 from .unclosed import Unclosed
 
 log = logging.getLogger("dcp_datastates")
@@ -163,12 +163,15 @@ class CheckpointManager:
         tiers and moves the durable ones to ``durable_dir/.abandoned/<time>/`` (logged). A step
         saved again (a tier holds it already) replaces it in every tier: the old copies leave
         the memory tiers and the durable one moves aside the same way (logged; this save waits
-        for the saves and persists before it first). Under ``max_overhead``, a save that does
-        not fit is skipped: its handle says why.
+        for the saves and persists before it first). A step older than the newest one saved
+        or held (a counter that restarted) raises ValueError here, nothing written: retention
+        would delete it at once. Under ``max_overhead``, a save that does not fit is skipped:
+        its handle says why.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self._check_open("no more saves")
+        self._check_not_older(step)
         if self._rollback is not None:
             self._retention.set_aside(self._rollback)
             self._taken = {s for s in self._taken if s <= self._rollback}
@@ -183,7 +186,6 @@ class CheckpointManager:
             self._retention.replace(step)
         self._taken.add(step)
         start = time.perf_counter()
-        _warn_of_newer(self.memory, step)
         handle = self._saver.start(step, plain(state), start, slot)
         if self._persister is not None:
             self._persister.after_save(handle)
@@ -192,6 +194,23 @@ class CheckpointManager:
         if self._budget is not None:
             self._budget.taken(handle)
         return handle
+
+    def _check_not_older(self, step: int) -> None:
+        """Raise ValueError where ``step`` is older than the newest step saved or held (after
+        the going back that a ``load`` asked for)."""
+        taken = self._taken if self._rollback is None else {
+            s for s in self._taken if s <= self._rollback}
+        newest = max(taken, default=None)
+        if newest is None or step >= newest:
+            return
+        aside = f" (to {self.durable / '.abandoned'})" if self.durable is not None else ""
+        raise ValueError(
+            f"save of step {step} refused: step {newest} is the newest in the tiers (memory "
+            f"{self.memory}, durable {self.durable}), and retention keeps the newest steps, so "
+            f"step {step} would be deleted at once. A new run (a step counter that starts "
+            f"again) goes into new directories (another durable_dir, memory_dir); to go back "
+            f"and train on from an older step, load(state, step=N) it first (N <= {step}): "
+            f"the next save then sets the newer steps aside{aside}")
 
     def prepare(self, state: dict, wait: bool = False) -> None:
         """Have the memory tier's slots sized for states like ``state`` and pinned (about 0.8 s
@@ -312,15 +331,6 @@ def _memory_tier(memory_dir: str | os.PathLike | None, durable: Path | None,
         raise ValueError(f"memory_dir {memory} is durable_dir: give each tier its own directory")
     memory.mkdir(parents=True, exist_ok=True)
     return memory
-
-
-def _warn_of_newer(memory: Path, step: int) -> None:
-    """Warn where the memory tier holds steps newer than ``step`` (they stay)."""
-    newer = [s for s in committed_steps(memory) if s > step]
-    if newer:  # a rollback (load(step=older), then training on): the newer steps stay
-        log.warning("dcp_datastates: saving step %d while the memory tier holds newer "
-                    "steps %s (a rollback?): they stay, and latest_step() returns the "
-                    "newest of them until they are removed", step, newer)
 
 
 def _snapshot_size(state: dict) -> tuple[int, int]:
