@@ -32,7 +32,8 @@ class FaultyBackend:
       the first parts, leaving a torn file as a real failing disk may.
     - ``delay_s``: every write sleeps first (a slow disk); ``read_delay_s`` every read.
     - ``gate``: writes wait until it is set; ``gated=True`` starts it cleared.
-      ``write_started`` is set as soon as a write call arrives (before the gate).
+      ``write_started`` is set as soon as a write call arrives (before the gate). Likewise
+      ``read_gate`` (``read_gated=True``) and ``read_started`` for reads.
 
     It counts calls (``writes``, ``reads``, ``fsyncs``) and records registrations, so a test
     can assert that every registered buffer was unregistered (``live_buffers() == []``).
@@ -50,6 +51,7 @@ class FaultyBackend:
         read_delay_s: float = 0.0,
         fail_fsync: bool = False,
         gated: bool = False,
+        read_gated: bool = False,
     ) -> None:
         self.inner = inner
         self.name = f"faulty({inner.name})"
@@ -61,6 +63,10 @@ class FaultyBackend:
         if not gated:
             self.gate.set()
         self.write_started = threading.Event()
+        self.read_gate = threading.Event()
+        if not read_gated:
+            self.read_gate.set()
+        self.read_started = threading.Event()
         self.writes = self.reads = self.fsyncs = 0
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[tuple[int, int]] = []
@@ -109,6 +115,8 @@ class FaultyBackend:
         self.inner.write(fd, path, first)
 
     def read(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
+        self.read_started.set()
+        self.read_gate.wait()
         if self.read_delay_s:
             time.sleep(self.read_delay_s)
         with self._lock:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import (
     MARKS,
     Tiers,
@@ -22,9 +24,17 @@ from conftest import (
     load_into,
     rand_tensor,
 )
+from fakes import FaultyBackend
 from test_tiers import make_state, steps_in
+from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates import CheckpointError, CheckpointManager, Engine, TierFullError
+from dcp_datastates import (
+    CheckpointError,
+    CheckpointManager,
+    DataStatesReader,
+    Engine,
+    TierFullError,
+)
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
 
 MiB = 1 << 20
@@ -252,6 +262,55 @@ def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:
     finally:
         engine.close()
         io.close()
+
+
+@pytest.mark.parametrize("verify_checksums", [False, True])
+def test_a_load_fails_where_its_step_is_dropped_and_its_slot_reused_meanwhile(
+        tiers: Tiers, engine: Engine, verify_checksums: bool) -> None:
+    """Another reader (another engine: an evaluation job) loads memory-tier step 1 while the
+    manager (keep_memory=1) commits steps 2 and 3: step 1 is dropped and its data file, a slot,
+    is reused in place by step 3 before the reader's reads run. The load fails saying that the
+    checkpoint was replaced, with or without checksums: it never hands step 3's bytes out as
+    step 1's, nor calls them corrupt."""
+    states = {s: make_state(s, big=MiB) for s in (1, 2, 3)}
+    io = FaultyBackend(ThreadPoolBackend(), read_gated=True)
+    reader_engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=2)
+    errors: list[BaseException] = []
+
+    def load_step_1() -> None:
+        try:
+            dcp.load(blank_like(states[1]), checkpoint_id=tiers.memory / "step_1", no_dist=True,
+                     storage_reader=DataStatesReader(engine=reader_engine,
+                                                     verify_checksums=verify_checksums))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                               persist=None, engine=engine) as manager:
+            manager.save(1, states[1]).result(timeout=30)
+            (slot_file,) = data_files(tiers.memory / "step_1")
+            inode = slot_file.stat().st_ino
+            reader = threading.Thread(target=load_step_1)
+            reader.start()
+            assert io.read_started.wait(30), "the load never read"
+            for step in (2, 3):
+                manager.save(step, states[step]).result(timeout=30)
+                manager.wait()
+            (reused,) = data_files(tiers.memory / "step_3")
+            assert reused.stat().st_ino == inode, "step 3 reuses step 1's slot file in place"
+            io.read_gate.set()
+            reader.join(60)
+        assert len(errors) == 1, errors
+        error = errors[0]
+        if isinstance(error, CheckpointException):
+            (error,) = [e for e, _trace in error.failures.values()]
+        assert isinstance(error, CheckpointError), repr(error)
+        assert f"checkpoint {tiers.memory / 'step_1'} was removed or replaced while this load "\
+               "read it" in str(error), str(error)
+    finally:
+        io.read_gate.set()
+        reader_engine.close()
 
 
 # -- rollback ------------------------------------------------------------------------------------
