@@ -39,6 +39,7 @@ import dcp_datastates
 from dcp_datastates import CheckpointManager, Engine, TierFullError, guard
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
 from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.tiers.claims import LOCK_NAME as TIER_LOCK
 
 TESTS = Path(__file__).resolve().parent
 ROOT = Path(dcp_datastates.__file__).resolve().parents[1]
@@ -73,10 +74,12 @@ def steps_in(root: Path) -> list[int]:
 
 
 def dirs_in(root: Path) -> list[str]:
-    """Entries of ``root``, less the memory tier's slot directory (``.slots.<pid>``)."""
+    """Entries of ``root``, less the memory tier's slot directory (``.slots.<pid>``) and the
+    tier's lock file."""
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".slots."))
+    return sorted(p.name for p in root.iterdir()
+                  if not p.name.startswith(".slots.") and p.name != TIER_LOCK)
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:

@@ -34,11 +34,12 @@ from ..engine import Engine, default_engine
 from ..sizes import parse_size
 from ..snapshot import layout, walk
 from .budget import Budget, check_max_overhead
-from .claims import TierClaims
+from .claims import MEMORY_MODE, TierClaims
 from .handles import SaveFigures, SaveHandle
 from .local_dcp import plain
 from .memory_save import MemorySaver
 from .persister import Persister
+from .private import check_private, user_root
 from .ranks import Ranks
 from .reports import Reports
 from .restore import Restorer, held, pick
@@ -57,8 +58,8 @@ class CheckpointManager:
         durable_dir: where persisted checkpoints go (shared or local file system); None keeps
             checkpoints in memory only.
         memory_dir: this rank's memory tier; default
-            ``/dev/shm/dcp_datastates/<durable_dir's last names>-<hash>/rank_<rank>``. Give
-            every rank of a node its own directory (the default does).
+            ``/dev/shm/dcp_datastates-<uid>/<durable_dir's last names>-<hash>/rank_<rank>``
+            (made 0700). Give every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (plus up to two being written and one being
             persisted: size the tier for ``keep_memory + 3`` states).
         keep_durable: durable checkpoints kept (None: all).
@@ -81,7 +82,9 @@ class CheckpointManager:
     Under ``torch.distributed`` the manager makes gloo groups of its own (collectively, in the
     constructor): make it on every rank at the same point. It claims its memory tier, and the
     job (through rank 0) its durable tier (:mod:`.claims`): a second manager on either fails
-    here, naming the directory and the holder's pid.
+    here, naming the directory and the holder's pid. A tier directory another user owns or
+    may write, or one it cannot write (the durable tier: unless ``persist=None``), fails
+    here too, saying why (:mod:`.private`).
     """
 
     @checked_keywords
@@ -113,7 +116,8 @@ class CheckpointManager:
         self._handles: list[SaveHandle] = []
         self._closed = False
         self._rollback: int | None = None  # step a load went back to, newer steps existing
-        self._claims = TierClaims(self.memory, self.durable, ranks)
+        self._claims = TierClaims(self.memory, self.durable, ranks,
+                                  persists=self.persist_policy is not None)
         try:
             remove_dead_unfinished(self.memory)  # only its holder cleans a tier
             self._wire()
@@ -324,12 +328,18 @@ class CheckpointManager:
 
 def _memory_tier(memory_dir: str | os.PathLike | None, durable: Path | None,
                  rank: int) -> Path:
-    """This rank's memory tier (made if need be)."""
-    memory = (Path(os.path.expanduser(memory_dir)).absolute() if memory_dir
-              else _default_memory_dir(durable, rank))
+    """This rank's memory tier; the default's per-user root and run directory are made (0700)
+    and checked (:mod:`.private`), the tier itself is when it is claimed."""
+    if memory_dir:
+        memory = Path(os.path.expanduser(memory_dir)).absolute()
+    else:
+        memory = _default_memory_dir(durable, rank)
+        root = user_root()
+        for directory in (root, memory.parent):
+            directory.mkdir(mode=MEMORY_MODE, exist_ok=True)
+            check_private(directory, "memory tiers' directory", follow=directory != root)
     if durable is not None and os.path.realpath(memory) == os.path.realpath(durable):
         raise ValueError(f"memory_dir {memory} is durable_dir: give each tier its own directory")
-    memory.mkdir(parents=True, exist_ok=True)
     return memory
 
 
@@ -357,9 +367,10 @@ def _check_options(durable_dir: object, memory_dir: object, keep_memory: object,
 
 
 def _default_memory_dir(durable: Path | None, rank: int) -> Path:
-    """``/dev/shm/dcp_datastates/<durable_dir's last two names>-<hash of durable_dir>/rank_<r>``:
-    the name says whose tier it is, the hash keeps tiers of equally named runs apart."""
+    """``/dev/shm/dcp_datastates-<uid>/<durable_dir's last two names>-<hash of durable_dir>/
+    rank_<r>``: the root is this user's (:func:`~.private.user_root`), the name says whose
+    tier it is, the hash keeps tiers of equally named runs apart."""
     tag = hashlib.sha1(str(durable).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(durable.parts[-2:]) if durable else "")
     name = name[-48:].strip("_")
-    return Path("/dev/shm/dcp_datastates") / (f"{name}-{tag}" if name else tag) / f"rank_{rank}"
+    return user_root() / (f"{name}-{tag}" if name else tag) / f"rank_{rank}"
