@@ -395,6 +395,56 @@ def test_memory_tier_too_small_fails_the_save_and_training_goes_on(tiers: Tiers,
     assert any("checkpoint of step 3 not taken" in m for m in manager_logs(logs))
 
 
+def test_a_full_memory_tier_makes_room_from_persisted_steps(tiers: Tiers, engine: Engine,
+                                                            logs) -> None:
+    """A memory tier with room for two steps and a save in flight (keep_memory=2 asks for more):
+    each later save drops the oldest step already persisted (its durable copy stays) instead
+    of failing with TierFullError while persisted steps fill the tier; every save is taken. A
+    save that dropping every persisted step would not fit drops none."""
+    states = {s: make_state(s, big=MiB) for s in range(1, 6)}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.scratch / "probe", persist=None,
+                           engine=engine) as probe:
+        probe.save(1, states[1]).result(timeout=30)
+    one = sum(p.stat().st_size for p in (tiers.scratch / "probe" / "step_1").iterdir())
+    need = MiB + 64 * 1024 + (1 << 20)  # the state, its small tensors, the save's slack
+    limit = one + need + one // 4  # step 2 fits beside step 1; step 3 fits beside one step
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2, persist=1,
+                           memory_limit=limit, engine=engine) as manager:
+        for step, state in states.items():
+            manager.save(step, state).result(timeout=30)
+            assert steps_in(tiers.durable)[-1] == step
+        assert steps_in(tiers.memory) == [4, 5]
+        with pytest.raises(TierFullError):  # more than dropping every step would free
+            manager.save(6, make_state(6, big=4 * MiB)).result(timeout=30)
+        assert steps_in(tiers.memory) == [4, 5], "nothing is dropped in vain"
+        out = blank_like(states[5])
+        assert manager.load(out) == 5
+        assert_state_equal(out, states[5])
+    assert steps_in(tiers.durable) == [3, 4, 5]
+    assert any("persisted step(s) [1] dropped from it to make room" in m
+               for m in manager_logs(logs))
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_a_full_memory_tier_gives_advice_that_fits_the_options(tiers: Tiers, engine: Engine,
+                                                               keep: int) -> None:
+    """TierFullError says what gives the tier room with the options in use: keep_memory
+    fewer only where it is above 1, the memory_limit in use, and that the steps it holds are
+    not persisted."""
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=keep, memory_limit="2MiB",
+                           engine=engine) as manager:
+        manager.save(1, make_state(1)).result(timeout=30)
+        with pytest.raises(TierFullError) as info:
+            manager.save(2, make_state(2, big=3 * MiB)).result(timeout=30)
+    message = str(info.value)
+    assert "a larger memory_limit= (now 2.00 MiB)" in message, message
+    if keep == 1:
+        assert "keep_memory" not in message, message
+    else:
+        assert "keep_memory=2 (now 3)" in message, message
+    assert "Step(s) 1 in it are not persisted" in message, message
+
+
 # -- retention -----------------------------------------------------------------------------------
 def test_retention_keeps_k_also_while_persists_overlap_saves(tiers: Tiers, held_engine) -> None:
     """keep_memory=2, keep_durable=2: a step being persisted stays in memory while newer saves

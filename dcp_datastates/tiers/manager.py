@@ -64,7 +64,8 @@ class CheckpointManager:
             persisted: size the tier for ``keep_memory + 3`` states).
         keep_durable: durable checkpoints kept (None: all).
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
-            as its file system has free. A save that would not fit fails before writing.
+            as its file system has free. A save that would not fit drops persisted steps from
+            the tier first (oldest first), then fails before writing.
         persist: ``"idle"`` keeps the disk busy: a save is persisted when every rank's
             previous persist is over, and a persist that ends goes on with the newest step
             committed meanwhile; N persists every N-th save (one due during a persist is

@@ -29,7 +29,7 @@ from .plans import ReusingPlanner
 from .ranks import Ranks
 from .retention import Retention
 from .slots import NextSlot, Slot, SlotPool
-from .steps import TierRecord, size_of, step_dir, steps
+from .steps import TierRecord, committed, size_of, step_dir, steps
 
 log = logging.getLogger("dcp_datastates")
 
@@ -90,15 +90,37 @@ class MemorySaver:
 
     def _admit(self, step: int, nbytes: int, reuse: int) -> None:
         """Raise TierFullError unless a save of ``nbytes`` fits, ``reuse`` bytes of them in
-        the slot it is snapshotted into (on the tier already)."""
+        the slot it is snapshotted into (on the tier already); where it does not, steps the
+        durable tier holds leave the memory tiers first, as many as it takes, if that is
+        enough."""
         need = max(0, nbytes - reuse) + SLACK_BYTES
         free = self.room(reuse)
+        if need > free and self.retention.make_room(need - free):
+            free = self.room(reuse)
         if need > free:
             raise TierFullError(
                 f"memory tier {self.memory} has {format_size(free)} free; the checkpoint "
-                f"of step {step} needs {format_size(need)}. Nothing was written; give the "
-                f"tier more room (a larger /dev/shm, memory_limit=, or memory_dir= on local "
-                f"NVMe) or keep fewer checkpoints (keep_memory={self.keep})")
+                f"of step {step} needs {format_size(need)}. Nothing was written; "
+                f"{self._advice()}")
+
+    def _advice(self) -> str:
+        """What gives the tier room, as the options in use allow."""
+        ways = [f"a larger memory_limit= (now {format_size(self.limit)})"
+                if self.limit is not None else
+                "more free space where it lives (a larger /dev/shm: --shm-size= in a "
+                "container)",
+                "memory_dir= on local NVMe"]
+        if self.keep > 1:
+            ways.append(f"keep_memory={self.keep - 1} (now {self.keep}) to keep fewer "
+                        f"checkpoints")
+        advice = "give the tier more room: " + "; ".join(ways)
+        durable = self.retention.durable
+        unpersisted = sorted({s for root in self.retention.memory_roots() for s in steps(root)
+                              if durable is None or not committed(step_dir(durable, s))})
+        if unpersisted:
+            advice += (f". Step(s) {', '.join(map(str, unpersisted))} in it are not persisted: "
+                       f"only persisted steps leave it to make room")
+        return advice
 
     def _upload(self, writer: DataStatesWriter, staged: Future) -> None:
         """The rest of a save, as ``dcp.async_save`` runs it on a thread of its own (this

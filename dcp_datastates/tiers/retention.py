@@ -21,7 +21,15 @@ from ..directory import new_token
 from . import replica
 from .ranks import Ranks
 from .slots import SlotPool
-from .steps import committed_steps, remove_step, step_dir, steps, uncommit
+from .steps import (
+    committed,
+    committed_steps,
+    remove_step,
+    size_of,
+    step_dir,
+    steps,
+    uncommit,
+)
 
 log = logging.getLogger("dcp_datastates")
 
@@ -34,6 +42,7 @@ class Retention:
                  ranks: Ranks) -> None:
         self.memory, self.durable, self.slots, self.ranks = memory, durable, slots, ranks
         self._lock = threading.Lock()
+        self._dropping = threading.Lock()  # held by one drop at a time
         self._busy: dict[int, int] = {}  # memory steps being read, and by how many
 
     def memory_roots(self) -> list[Path]:
@@ -70,18 +79,51 @@ class Retention:
         for s in drop:
             self.drop(root, s)
 
-    def drop(self, root: Path, step: int) -> None:
+    def drop(self, root: Path, step: int, *, reuse_slot: bool = True) -> bool:
         """Remove ``step`` from the tier ``root``; from this rank's memory tier only if it is
-        not being read, and its data file goes back to being a free slot."""
+        not being read, and its data file goes back to being a free slot (``reuse_slot``) or
+        goes with it. Returns whether it went. Drops are made one at a time (the thread that
+        keeps the tiers, and a save making room)."""
         directory = step_dir(root, step)
-        if root == self.memory:
-            with self._lock:  # a step marked as being read meanwhile stays committed
-                if step in self._busy:
-                    return
-                uncommit(directory)
-            if self.slots is not None:  # uncommitted: its data file may be a free slot
-                self.slots.reclaim(directory)
-        remove_step(directory)
+        with self._dropping:
+            if root == self.memory:
+                with self._lock:  # a step marked as being read meanwhile stays committed
+                    if step in self._busy:
+                        return False
+                    uncommit(directory)
+                if self.slots is not None:  # uncommitted: its data file may be a slot
+                    if reuse_slot:
+                        self.slots.reclaim(directory)
+                    else:
+                        self.slots.discard(directory)
+            remove_step(directory)
+        return True
+
+    def make_room(self, shortfall: int) -> list[int]:
+        """Free ``shortfall`` bytes of the memory tiers by dropping steps that the durable tier
+        holds committed (their copies there stay), oldest first, if they hold that much (else
+        none goes); return those dropped (logged). Their data files are deleted, not kept as
+        free slots (those would take the same room)."""
+        if self.durable is None:
+            return []
+        persisted = sorted((s, root) for root in self.memory_roots()
+                           for s in committed_steps(root)
+                           if committed(step_dir(self.durable, s)))
+        sizes = [size_of(step_dir(root, s)) for s, root in persisted]
+        if sum(sizes) < shortfall:
+            return []
+        dropped: list[int] = []
+        for (s, root), size in zip(persisted, sizes, strict=True):
+            if shortfall <= 0:
+                break
+            if self.drop(root, s, reuse_slot=False):
+                dropped.append(s)
+                shortfall -= size
+        if dropped:
+            log.warning("dcp_datastates: the memory tier %s was full: persisted step(s) %s "
+                        "dropped from it to make room (their durable copies stay)",
+                        self.memory, dropped)
+        return dropped
 
     def set_aside(self, after: int) -> None:
         """Training went on from ``after`` (``load`` of an older step): the steps newer than it
