@@ -24,7 +24,7 @@ from conftest import (
     load_into,
     rand_tensor,
 )
-from fakes import FaultyBackend
+from fakes import FakeClock, FaultyBackend
 from test_tiers import make_state, steps_in
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -36,6 +36,7 @@ from dcp_datastates import (
     TierFullError,
 )
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
+from dcp_datastates.tiers.manager import HISTORY_KEPT
 
 MiB = 1 << 20
 
@@ -382,6 +383,39 @@ def test_a_save_of_an_older_step_is_refused_naming_the_newest(tiers: Tiers,
         assert manager.latest_step() == 11
     assert steps_in(tiers.durable) == [10, 11]
     assert_state_equal(load_into(states[11], tiers.durable / "step_11"), states[11])
+
+
+def test_abandoned_keeps_the_newest_keep_durable_sets(tiers: Tiers, engine: Engine) -> None:
+    """Going back again and again (load(step=1), then a new step 2, three times): each go-back
+    sets the durable step 2 aside, and durable/.abandoned keeps only the newest keep_durable
+    sets (here 1): the last state left, still loadable, not one checkpoint per go-back."""
+    runs = [make_state(20 + r) for r in range(4)]
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
+                           keep_durable=1, persist=1, engine=engine) as manager:
+        manager.save(1, make_state(1)).result(timeout=30)
+        manager.save(2, runs[0]).result(timeout=30)
+        for state in runs[1:]:
+            assert manager.load(blank_like(make_state(1)), step=1) == 1
+            manager.save(2, state).result(timeout=30)
+    assert steps_in(tiers.durable) == [2]
+    assert_state_equal(load_into(runs[3], tiers.durable / "step_2"), runs[3])
+    (aside,) = (tiers.durable / ".abandoned").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["step_2"]
+    assert_state_equal(load_into(runs[2], aside / "step_2"), runs[2])
+
+
+def test_history_keeps_the_figures_of_the_latest_saves(tiers: Tiers, engine: Engine) -> None:
+    """``manager.history`` is bounded: it keeps the figures of the latest HISTORY_KEPT saves,
+    not one more per save for as long as the run goes on (here a save every step under an
+    overhead budget that no training time pays for: the first is taken, the rest skipped)."""
+    with CheckpointManager(memory_dir=tiers.memory, max_overhead=0.05, clock=FakeClock(),
+                           engine=engine) as manager:
+        for step in range(HISTORY_KEPT + 3):
+            manager.save(step, {"x": torch.full((4,), float(step))})
+        manager.wait()
+        steps = [f.step for f in manager.history]  # in the order they were settled
+        assert len(steps) == len(set(steps)) == HISTORY_KEPT
+        assert HISTORY_KEPT + 2 in steps
 
 
 # -- the persist that close() (or a new manager) makes ------------------------------------------

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,12 +44,15 @@ from .private import check_private, user_root
 from .ranks import Ranks
 from .reports import Reports
 from .restore import Restorer, held, pick
-from .retention import Retention
+from .retention import ABANDONED, Retention
 from .slots import SlotPool
 from .steps import remove_dead_unfinished
 from .unclosed import Unclosed
 
 log = logging.getLogger("dcp_datastates")
+
+#: Saves whose figures ``CheckpointManager.history`` keeps (the latest ones).
+HISTORY_KEPT = 1000
 
 
 class CheckpointManager:
@@ -62,7 +66,8 @@ class CheckpointManager:
             (made 0700). Give every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (plus up to two being written and one being
             persisted: size the tier for ``keep_memory + 3`` states).
-        keep_durable: durable checkpoints kept (None: all).
+        keep_durable: durable checkpoints kept (None: all); also the sets of steps set
+            aside in ``durable_dir/.abandoned`` that are kept.
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
             as its file system has free. A save that would not fit drops persisted steps from
             the tier first (oldest first), then fails before writing.
@@ -110,7 +115,8 @@ class CheckpointManager:
         if replicate and self.world == 1:
             log.info("dcp_datastates: replicate=True with one rank: no peer to replicate to")
         self.replicate = replicate and self.world > 1
-        self.history: list[SaveFigures] = []  # saves committed, then skipped ones at once
+        #: the figures of the latest HISTORY_KEPT saves: committed, and skipped ones at once
+        self.history: deque[SaveFigures] = deque(maxlen=HISTORY_KEPT)
         self._budget = None if max_overhead is None else Budget(max_overhead, clock, ranks,
                                                                 self.history)
         self._reports = Reports()  # errors of saves that wait() or close() has to raise
@@ -136,7 +142,8 @@ class CheckpointManager:
         # on tmpfs, snapshots go straight into slot files that become the steps' data files
         self._slots = (SlotPool(self.engine, self.memory, self.keep_memory + 3)
                        if memory_backed(self.memory) else None)
-        self._retention = Retention(self.memory, self.durable, self._slots, self._ranks)
+        self._retention = Retention(self.memory, self.durable, self._slots, self._ranks,
+                                    keep_aside=self.keep_durable)
         self._after = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-tier")
         self._saver = MemorySaver(
             self._retention, self.memory_limit, self.keep_memory, self._slots, self._ranks,
@@ -208,7 +215,7 @@ class CheckpointManager:
         newest = max(taken, default=None)
         if newest is None or step >= newest:
             return
-        aside = f" (to {self.durable / '.abandoned'})" if self.durable is not None else ""
+        aside = f" (to {self.durable / ABANDONED})" if self.durable is not None else ""
         raise ValueError(
             f"save of step {step} refused: step {newest} is the newest in the tiers (memory "
             f"{self.memory}, durable {self.durable}), and retention keeps the newest steps, so "

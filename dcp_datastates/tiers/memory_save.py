@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -47,7 +48,7 @@ class MemorySaver:
 
     def __init__(self, retention: Retention, limit: int | None, keep: int,
                  slots: SlotPool | None, ranks: Ranks, replicas: Ranks | None,
-                 engine: Callable[[], Engine], history: list[SaveFigures]) -> None:
+                 engine: Callable[[], Engine], history: deque[SaveFigures]) -> None:
         self.retention, self.memory = retention, retention.memory
         self.limit, self.keep, self.slots = limit, keep, slots
         self.ranks, self.replicas, self.engine, self.history = ranks, replicas, engine, history

@@ -5,12 +5,14 @@ committed go too), except memory steps marked as being read (a persist, a replic
 stay until read, and retention runs again after. A dropped memory step's ``.metadata`` goes
 first, then its data file goes back to being a free slot. Going back (``load`` of an older step,
 then training on) sets the newer steps aside; a step saved again is set aside the same way.
+``durable_dir/.abandoned`` keeps the newest ``keep_durable`` sets of steps set aside.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,14 +35,18 @@ from .steps import (
 
 log = logging.getLogger("dcp_datastates")
 
+#: Where the durable steps that training left are set aside, a directory per set.
+ABANDONED = ".abandoned"
+
 
 class Retention:
     """Keeps the tiers of one rank (its memory tier ``memory``, the replicas it holds, the
     durable tier ``durable``) to their sizes; ``slots``: the memory tier's slot pool, if any."""
 
     def __init__(self, memory: Path, durable: Path | None, slots: SlotPool | None,
-                 ranks: Ranks) -> None:
+                 ranks: Ranks, keep_aside: int | None = None) -> None:
         self.memory, self.durable, self.slots, self.ranks = memory, durable, slots, ranks
+        self.keep_aside = keep_aside  # sets of steps kept in durable/.abandoned (None: all)
         self._lock = threading.Lock()
         self._dropping = threading.Lock()  # held by one drop at a time
         self._busy: dict[int, int] = {}  # memory steps being read, and by how many
@@ -145,12 +151,31 @@ class Retention:
                     self.drop(root, s)
         moving = [s for s in steps(self.durable) if which(s)] if self.durable else []
         if moving and self.ranks.rank == 0:
-            aside = _new_aside(self.durable / ".abandoned")
+            aside = _new_aside(self.durable / ABANDONED)
             for s in moving:
                 os.rename(step_dir(self.durable, s), aside / step_dir(self.durable, s).name)
             log.warning("dcp_datastates: %s: the durable steps %s were moved to %s", why,
                         moving, aside)
+            self._prune_aside()
         self.ranks.barrier()  # no rank persists into a step being moved
+
+    def _prune_aside(self) -> None:
+        """Keep the newest ``keep_aside`` sets of ``durable/.abandoned`` (removed oldest first,
+        each step's ``.metadata`` first; logged)."""
+        root = self.durable / ABANDONED
+        if self.keep_aside is None:
+            return
+        sets = sorted((p for p in root.iterdir() if p.is_dir() and not p.is_symlink()),
+                      key=lambda p: (p.stat().st_mtime_ns, p.name))
+        old = sets[:-self.keep_aside]
+        for aside in old:
+            for entry in aside.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    remove_step(entry)
+            shutil.rmtree(aside, ignore_errors=True)
+        if old:
+            log.info("dcp_datastates: removed %s from %s (it keeps the newest %d, as "
+                     "keep_durable)", ", ".join(p.name for p in old), root, self.keep_aside)
 
 
 def _new_aside(root: Path) -> Path:
