@@ -34,6 +34,7 @@ from conftest import (
     rand_tensor,
     run_then_kill,
 )
+from fakes import FaultyBackend
 
 import dcp_datastates
 from dcp_datastates import CheckpointManager, Engine, TierFullError, guard
@@ -567,6 +568,31 @@ def test_latest_step_and_fallback_to_durable(tiers: Tiers, engine: Engine, logs,
         assert manager.load(out, step=1) == 1
         assert_state_equal(out, expected[1])
         assert restored_from(logs, 1) == ["durable"]
+
+
+def test_a_new_durable_step_is_fsynced_into_its_tier_before_older_steps_go(
+        tiers: Tiers) -> None:
+    """keep_durable=1: each persist commits a new step_N, then retention removes the older
+    one. The durable tier's directory is fsynced in between (through the engine's I/O path),
+    so a crash cannot lose the new step's name after the old step is gone."""
+    listings: list[list[int]] = []
+
+    def fsynced(path: str) -> None:
+        if path == str(tiers.durable):
+            listings.append(steps_in(tiers.durable))
+
+    io = FaultyBackend(ThreadPoolBackend(), on_fsync=fsynced)
+    engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=4)
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_durable=1,
+                               persist=1, engine=engine) as manager:
+            for step in (1, 2, 3):
+                manager.save(step, make_state(step)).result(timeout=30)
+        assert steps_in(tiers.durable) == [3]
+        assert listings == [[1], [1, 2], [2, 3]], listings
+    finally:
+        engine.close()
+        io.close()
 
 
 # -- persist every N-th save ---------------------------------------------------------------------
