@@ -289,15 +289,18 @@ class CheckpointManager:
         self._reports.raise_first(unraised_only=True)
 
     def _stop(self) -> None:
-        """Stop the manager's threads (once its saves are over) and unmap its slots."""
-        self._unclosed.untrack()
-        self._saver.close()
-        self._after.shutdown(wait=True)
-        if self._persister is not None:
-            self._persister.close()
-        if self._slots is not None:
-            self._slots.close()
-        self._claims.release()
+        """Stop the manager's threads (once its saves are over) and unmap its slots; the
+        claims are given up whatever fails."""
+        try:
+            self._unclosed.untrack()
+            self._saver.close()
+            self._after.shutdown(wait=True)
+            if self._persister is not None:
+                self._persister.close()
+            if self._slots is not None:
+                self._slots.close()
+        finally:
+            self._claims.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -131,6 +131,9 @@ class MemorySaver:
             local_dcp.save(staged.result(), writer, self.planner)
         finally:
             writer.close()  # a snapshot that DCP's save did not take is given back
+            # a save DCP gave up between two writer calls (its planner failed) ends now, not
+            # at the engine's next look: what it holds (its slot) is free before the handle
+            writer.engine.reap_abandoned()
 
     def room(self, reused: int = 0) -> int:
         """Bytes a new memory-tier checkpoint may take now, besides the ``reused`` bytes of
