@@ -32,8 +32,10 @@ class FaultyBackend:
       first (split at a 4 KiB multiple on an O_DIRECT descriptor); a failing write first writes
       the first parts, leaving a torn file as a real failing disk may.
     - ``delay_s``: every write sleeps first (a slow disk); ``read_delay_s`` every read.
+    - ``on_fsync``: called with the path of every fsync before it is made.
     - ``gate``: writes wait until it is set; ``gated=True`` starts it cleared.
-      ``write_started`` is set as soon as a write call arrives (before the gate).
+      ``write_started`` is set as soon as a write call arrives (before the gate). Likewise
+      ``read_gate`` (``read_gated=True``) and ``read_started`` for reads.
 
     It counts calls (``writes``, ``reads``, ``fsyncs``) and records registrations, so a test
     can assert that every registered buffer was unregistered (``live_buffers() == []``).
@@ -51,17 +53,24 @@ class FaultyBackend:
         read_delay_s: float = 0.0,
         fail_fsync: bool = False,
         gated: bool = False,
+        read_gated: bool = False,
+        on_fsync: Callable[[str], None] | None = None,
     ) -> None:
         self.inner = inner
         self.name = f"faulty({inner.name})"
         self.fail_write_after, self.fail_read_after = fail_write_after, fail_read_after
         self.errno_, self.short_writes = errno_, short_writes
         self.delay_s, self.fail_fsync = delay_s, fail_fsync
+        self.on_fsync = on_fsync
         self.read_delay_s = read_delay_s
         self.gate = threading.Event()
         if not gated:
             self.gate.set()
         self.write_started = threading.Event()
+        self.read_gate = threading.Event()
+        if not read_gated:
+            self.read_gate.set()
+        self.read_started = threading.Event()
         self.writes = self.reads = self.fsyncs = 0
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[tuple[int, int]] = []
@@ -110,6 +119,8 @@ class FaultyBackend:
         self.inner.write(fd, path, first)
 
     def read(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
+        self.read_started.set()
+        self.read_gate.wait()
         if self.read_delay_s:
             time.sleep(self.read_delay_s)
         with self._lock:
@@ -120,6 +131,8 @@ class FaultyBackend:
         self.inner.read(fd, path, reqs)
 
     def fsync(self, fd: int, path: str) -> None:
+        if self.on_fsync is not None:
+            self.on_fsync(path)
         with self._lock:
             self.fsyncs += 1
         if self.fail_fsync:

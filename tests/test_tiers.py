@@ -34,11 +34,13 @@ from conftest import (
     rand_tensor,
     run_then_kill,
 )
+from fakes import FaultyBackend
 
 import dcp_datastates
 from dcp_datastates import CheckpointManager, Engine, TierFullError, guard
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
 from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.tiers.claims import LOCK_NAME as TIER_LOCK
 
 TESTS = Path(__file__).resolve().parent
 ROOT = Path(dcp_datastates.__file__).resolve().parents[1]
@@ -73,10 +75,12 @@ def steps_in(root: Path) -> list[int]:
 
 
 def dirs_in(root: Path) -> list[str]:
-    """Entries of ``root``, less the memory tier's slot directory (``.slots.<pid>``)."""
+    """Entries of ``root``, less the memory tier's slot directory (``.slots.<pid>``) and the
+    tier's lock file."""
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".slots."))
+    return sorted(p.name for p in root.iterdir()
+                  if not p.name.startswith(".slots.") and p.name != TIER_LOCK)
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -392,6 +396,56 @@ def test_memory_tier_too_small_fails_the_save_and_training_goes_on(tiers: Tiers,
     assert any("checkpoint of step 3 not taken" in m for m in manager_logs(logs))
 
 
+def test_a_full_memory_tier_makes_room_from_persisted_steps(tiers: Tiers, engine: Engine,
+                                                            logs) -> None:
+    """A memory tier with room for two steps and a save in flight (keep_memory=2 asks for more):
+    each later save drops the oldest step already persisted (its durable copy stays) instead
+    of failing with TierFullError while persisted steps fill the tier; every save is taken. A
+    save that dropping every persisted step would not fit drops none."""
+    states = {s: make_state(s, big=MiB) for s in range(1, 6)}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.scratch / "probe", persist=None,
+                           engine=engine) as probe:
+        probe.save(1, states[1]).result(timeout=30)
+    one = sum(p.stat().st_size for p in (tiers.scratch / "probe" / "step_1").iterdir())
+    need = MiB + 64 * 1024 + (1 << 20)  # the state, its small tensors, the save's slack
+    limit = one + need + one // 4  # step 2 fits beside step 1; step 3 fits beside one step
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2, persist=1,
+                           memory_limit=limit, engine=engine) as manager:
+        for step, state in states.items():
+            manager.save(step, state).result(timeout=30)
+            assert steps_in(tiers.durable)[-1] == step
+        assert steps_in(tiers.memory) == [4, 5]
+        with pytest.raises(TierFullError):  # more than dropping every step would free
+            manager.save(6, make_state(6, big=4 * MiB)).result(timeout=30)
+        assert steps_in(tiers.memory) == [4, 5], "nothing is dropped in vain"
+        out = blank_like(states[5])
+        assert manager.load(out) == 5
+        assert_state_equal(out, states[5])
+    assert steps_in(tiers.durable) == [3, 4, 5]
+    assert any("persisted step(s) [1] dropped from it to make room" in m
+               for m in manager_logs(logs))
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_a_full_memory_tier_gives_advice_that_fits_the_options(tiers: Tiers, engine: Engine,
+                                                               keep: int) -> None:
+    """TierFullError says what gives the tier room with the options in use: keep_memory
+    fewer only where it is above 1, the memory_limit in use, and that the steps it holds are
+    not persisted."""
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=keep, memory_limit="2MiB",
+                           engine=engine) as manager:
+        manager.save(1, make_state(1)).result(timeout=30)
+        with pytest.raises(TierFullError) as info:
+            manager.save(2, make_state(2, big=3 * MiB)).result(timeout=30)
+    message = str(info.value)
+    assert "a larger memory_limit= (now 2.00 MiB)" in message, message
+    if keep == 1:
+        assert "keep_memory" not in message, message
+    else:
+        assert "keep_memory=2 (now 3)" in message, message
+    assert "Step(s) 1 in it are not persisted" in message, message
+
+
 # -- retention -----------------------------------------------------------------------------------
 def test_retention_keeps_k_also_while_persists_overlap_saves(tiers: Tiers, held_engine) -> None:
     """keep_memory=2, keep_durable=2: a step being persisted stays in memory while newer saves
@@ -514,6 +568,31 @@ def test_latest_step_and_fallback_to_durable(tiers: Tiers, engine: Engine, logs,
         assert manager.load(out, step=1) == 1
         assert_state_equal(out, expected[1])
         assert restored_from(logs, 1) == ["durable"]
+
+
+def test_a_new_durable_step_is_fsynced_into_its_tier_before_older_steps_go(
+        tiers: Tiers) -> None:
+    """keep_durable=1: each persist commits a new step_N, then retention removes the older
+    one. The durable tier's directory is fsynced in between (through the engine's I/O path),
+    so a crash cannot lose the new step's name after the old step is gone."""
+    listings: list[list[int]] = []
+
+    def fsynced(path: str) -> None:
+        if path == str(tiers.durable):
+            listings.append(steps_in(tiers.durable))
+
+    io = FaultyBackend(ThreadPoolBackend(), on_fsync=fsynced)
+    engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=4)
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_durable=1,
+                               persist=1, engine=engine) as manager:
+            for step in (1, 2, 3):
+                manager.save(step, make_state(step)).result(timeout=30)
+        assert steps_in(tiers.durable) == [3]
+        assert listings == [[1], [1, 2], [2, 3]], listings
+    finally:
+        engine.close()
+        io.close()
 
 
 # -- persist every N-th save ---------------------------------------------------------------------

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import (
     MARKS,
     Tiers,
@@ -22,10 +24,19 @@ from conftest import (
     load_into,
     rand_tensor,
 )
+from fakes import FakeClock, FaultyBackend
 from test_tiers import make_state, steps_in
+from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates import CheckpointError, CheckpointManager, Engine, TierFullError
+from dcp_datastates import (
+    CheckpointError,
+    CheckpointManager,
+    DataStatesReader,
+    Engine,
+    TierFullError,
+)
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
+from dcp_datastates.tiers.manager import HISTORY_KEPT
 
 MiB = 1 << 20
 
@@ -254,6 +265,77 @@ def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:
         io.close()
 
 
+@pytest.mark.parametrize("verify_checksums", [False, True])
+def test_a_load_fails_where_its_step_is_dropped_and_its_slot_reused_meanwhile(
+        tiers: Tiers, engine: Engine, verify_checksums: bool) -> None:
+    """Another reader (another engine: an evaluation job) loads memory-tier step 1 while the
+    manager (keep_memory=1) commits steps 2 and 3: step 1 is dropped and its data file, a slot,
+    is reused in place by step 3 before the reader's reads run. The load fails saying that the
+    checkpoint was replaced, with or without checksums: it never hands step 3's bytes out as
+    step 1's, nor calls them corrupt."""
+    states = {s: make_state(s, big=MiB) for s in (1, 2, 3)}
+    io = FaultyBackend(ThreadPoolBackend(), read_gated=True)
+    reader_engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=2)
+    errors: list[BaseException] = []
+
+    def load_step_1() -> None:
+        try:
+            dcp.load(blank_like(states[1]), checkpoint_id=tiers.memory / "step_1", no_dist=True,
+                     storage_reader=DataStatesReader(engine=reader_engine,
+                                                     verify_checksums=verify_checksums))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                               persist=None, engine=engine) as manager:
+            manager.save(1, states[1]).result(timeout=30)
+            (slot_file,) = data_files(tiers.memory / "step_1")
+            inode = slot_file.stat().st_ino
+            reader = threading.Thread(target=load_step_1)
+            reader.start()
+            assert io.read_started.wait(30), "the load never read"
+            for step in (2, 3):
+                manager.save(step, states[step]).result(timeout=30)
+                manager.wait()
+            (reused,) = data_files(tiers.memory / "step_3")
+            assert reused.stat().st_ino == inode, "step 3 reuses step 1's slot file in place"
+            io.read_gate.set()
+            reader.join(60)
+        assert len(errors) == 1, errors
+        error = errors[0]
+        if isinstance(error, CheckpointException):
+            (error,) = [e for e, _trace in error.failures.values()]
+        assert isinstance(error, CheckpointError), repr(error)
+        assert f"checkpoint {tiers.memory / 'step_1'} was removed or replaced while this load "\
+               "read it" in str(error), str(error)
+    finally:
+        io.read_gate.set()
+        reader_engine.close()
+
+
+def test_a_save_whose_planning_fails_holds_nothing_after_its_error(tiers: Tiers,
+                                                                   engine: Engine) -> None:
+    """A state DCP cannot plan (a torch.uint1 tensor: its planner fails on the element size):
+    the handle raises that error, and the save holds nothing once it has (its snapshot, its
+    slot): close() right after raises nothing more and gives the tiers up, and the next
+    manager on them saves and loads."""
+    manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                                engine=engine)
+    bad = manager.save(1, {"x": torch.zeros(8, dtype=torch.uint1), "y": torch.ones(3)})
+    with pytest.raises(TypeError):
+        bad.result(timeout=30)
+    manager.close()
+    state = make_state(2)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                           engine=engine) as manager:
+        manager.save(2, state).result(timeout=30)
+        out = blank_like(state)
+        assert manager.load(out) == 2
+        assert_state_equal(out, state)
+    assert engine.live_leases() == 0
+
+
 # -- rollback ------------------------------------------------------------------------------------
 def test_going_back_sets_the_newer_steps_aside(tiers: Tiers, engine: Engine,
                                               caplog: pytest.LogCaptureFixture) -> None:
@@ -293,6 +375,69 @@ def test_going_back_sets_the_newer_steps_aside(tiers: Tiers, engine: Engine,
     messages = [r.getMessage() for r in caplog.records]
     assert any("loading step 2 while steps [3, 4] are newer" in m for m in messages), messages
     assert any(f"durable steps [3, 4] were moved to {aside}" in m for m in messages), messages
+
+
+def test_a_save_of_an_older_step_is_refused_naming_the_newest(tiers: Tiers,
+                                                               engine: Engine) -> None:
+    """A step counter that starts again (a script run again from scratch into the same
+    durable_dir, a counter per epoch): save() of a step older than the newest one raises at
+    once, naming that step and the ways out, and writes nothing; the newer steps stay, and
+    latest_step() still names them. Going back with load(step=) first is allowed."""
+    states = {s: make_state(s) for s in (10, 20, 11)}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=1,
+                           engine=engine) as manager:
+        for step in (10, 20):
+            manager.save(step, states[step]).result(timeout=30)
+        with pytest.raises(ValueError, match=r"step 3 refused: step 20 is the newest"):
+            manager.save(3, make_state(3))
+    memory = tiers.scratch / "memory2"  # a run started again: the same durable_dir
+    with CheckpointManager(tiers.durable, memory_dir=memory, persist=1,
+                           engine=engine) as manager:
+        with pytest.raises(ValueError, match=r"step 5 refused: step 20 is the newest .*new "
+                                             r"directories .*load\(state, step=N\)") as info:
+            manager.save(5, make_state(5))
+        assert str(tiers.durable / ".abandoned") in str(info.value)
+        assert not (memory / "step_5").exists()
+        assert manager.latest_step() == 20
+        out = blank_like(states[10])
+        assert manager.load(out, step=10) == 10
+        manager.save(11, states[11]).result(timeout=30)
+        assert manager.latest_step() == 11
+    assert steps_in(tiers.durable) == [10, 11]
+    assert_state_equal(load_into(states[11], tiers.durable / "step_11"), states[11])
+
+
+def test_abandoned_keeps_the_newest_keep_durable_sets(tiers: Tiers, engine: Engine) -> None:
+    """Going back again and again (load(step=1), then a new step 2, three times): each go-back
+    sets the durable step 2 aside, and durable/.abandoned keeps only the newest keep_durable
+    sets (here 1): the last state left, still loadable, not one checkpoint per go-back."""
+    runs = [make_state(20 + r) for r in range(4)]
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
+                           keep_durable=1, persist=1, engine=engine) as manager:
+        manager.save(1, make_state(1)).result(timeout=30)
+        manager.save(2, runs[0]).result(timeout=30)
+        for state in runs[1:]:
+            assert manager.load(blank_like(make_state(1)), step=1) == 1
+            manager.save(2, state).result(timeout=30)
+    assert steps_in(tiers.durable) == [2]
+    assert_state_equal(load_into(runs[3], tiers.durable / "step_2"), runs[3])
+    (aside,) = (tiers.durable / ".abandoned").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["step_2"]
+    assert_state_equal(load_into(runs[2], aside / "step_2"), runs[2])
+
+
+def test_history_keeps_the_figures_of_the_latest_saves(tiers: Tiers, engine: Engine) -> None:
+    """``manager.history`` is bounded: it keeps the figures of the latest HISTORY_KEPT saves,
+    not one more per save for as long as the run goes on (here a save every step under an
+    overhead budget that no training time pays for: the first is taken, the rest skipped)."""
+    with CheckpointManager(memory_dir=tiers.memory, max_overhead=0.05, clock=FakeClock(),
+                           engine=engine) as manager:
+        for step in range(HISTORY_KEPT + 3):
+            manager.save(step, {"x": torch.full((4,), float(step))})
+        manager.wait()
+        steps = [f.step for f in manager.history]  # in the order they were settled
+        assert len(steps) == len(set(steps)) == HISTORY_KEPT
+        assert HISTORY_KEPT + 2 in steps
 
 
 # -- the persist that close() (or a new manager) makes ------------------------------------------

@@ -10,6 +10,7 @@ through ``Engine(io_backend=...)`` or the state saved, never by patching.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import select
@@ -18,13 +19,27 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import MARKS, Tiers, assert_state_equal, blank_like, load_into, rand_tensor
-from test_tiers import ROOT, HoldWrites, flip_payload_byte, make_state, manager_logs, steps_in
+from test_tiers import (
+    ROOT,
+    HoldWrites,
+    flip_payload_byte,
+    make_state,
+    manager_logs,
+    restored_from,
+    steps_in,
+)
 from test_tiers_cli import persist, run_cli
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from dcp_datastates import (
     CheckpointCorruptError,
@@ -35,7 +50,7 @@ from dcp_datastates import (
 )
 from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.jobs.copy import copy_checkpoint
-from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.metadata_file import read_metadata, write_metadata
 
 MiB = 1 << 20
 #: What a refused persist names: the memory-tier file and the item whose checksum fails.
@@ -170,6 +185,51 @@ def test_load_falls_back_past_a_damaged_durable_step(tiers: Tiers, engine: Engin
         assert manager.load(out) == 2
         assert_state_equal(out, states[2])
     assert any("step 3 does not load" in m and "falling back" in m for m in manager_logs(logs))
+
+
+def rewrite_metadata(directory: Path, edit: Callable[[Metadata], None]) -> None:
+    """Replace ``directory``'s ``.metadata`` by one ``edit`` changed (written as a save writes
+    it: only its numbers are hostile)."""
+    metadata = read_metadata(directory)
+    edit(metadata)
+    (directory / ".metadata").unlink()
+    write_metadata(directory, metadata, "edited")
+
+
+def huge_chunk(metadata: Metadata) -> None:
+    """Item ``model.w``'s one chunk made 10**4400 rows long (a number of more digits than
+    Python turns into a string)."""
+    md = metadata.state_dict_metadata["model.w"]
+    metadata.state_dict_metadata["model.w"] = TensorStorageMetadata(
+        md.properties, md.size, [ChunkStorageMetadata(torch.Size([0, 0]),
+                                                      torch.Size([10 ** 4400, 40]))])
+
+
+def huge_length(metadata: Metadata) -> None:
+    """Item ``model.w``'s stored length made a 4400-digit number."""
+    index = next(k for k in metadata.storage_data if k.fqn == "model.w")
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index],
+                                                       length=10 ** 4400)
+
+
+@pytest.mark.parametrize("damage", [huge_chunk, huge_length])
+def test_a_memory_step_with_hostile_numbers_falls_back_to_the_durable_copy(
+        tiers: Tiers, engine: Engine, logs, damage: Callable[[Metadata], None]) -> None:
+    """A memory-tier step whose ``.metadata`` holds numbers too large to print (a ValueError,
+    not a CheckpointError, where they are formatted): a new manager starts, and load() takes
+    the intact durable copy of the same step, logging which step and why."""
+    state = make_state(1)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=1,
+                           engine=engine) as manager:
+        manager.save(1, state).result(timeout=30)
+    rewrite_metadata(tiers.memory / "step_1", damage)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                           engine=engine) as manager:
+        assert manager.latest_step() == 1
+        out = blank_like(state)
+        assert manager.load(out) == 1
+        assert_state_equal(out, state)
+    assert restored_from(logs, 1) == ["durable"]
 
 
 # -- 2. a step saved again -----------------------------------------------------------------------

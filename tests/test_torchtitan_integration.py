@@ -47,6 +47,7 @@ from dcp_datastates.integrations.torchtitan import (  # noqa: E402
     enable_datastates,
     is_datastates_checkpoint,
 )
+from dcp_datastates.tiers.claims import LOCK_NAME as TIER_LOCK  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:To get the last learning rate computed")
 world = mpi_util.world
@@ -190,8 +191,10 @@ def hold_snapshot(engine: Engine, delay: float = STAGING_DELAY) -> threading.Eve
 
 
 def tier_entries(memory: Path) -> list[str]:
-    """What a memory tier holds, less the manager's slot directory (``.slots.<pid>``)."""
-    return sorted(p.name for p in memory.iterdir() if not p.name.startswith(".slots."))
+    """What a memory tier holds, less the manager's slot directory (``.slots.<pid>``) and the
+    tier's lock file."""
+    return sorted(p.name for p in memory.iterdir()
+                  if not p.name.startswith(".slots.") and p.name != TIER_LOCK)
 
 
 def step_dirs(folder: Path) -> list[str]:

@@ -20,18 +20,20 @@ the newest step complete in the memory tiers given, if it is newer than every
 step committed in DURABLE_DIR.
 
 MEMORY_DIR is one rank's memory tier (holding step_<N> directories, e.g.
-/dev/shm/dcp_datastates/<run>-<hash>/rank_0, <run> being the last names of
-the durable_dir) or a job's memory root holding rank_<r> tiers
-(/dev/shm/dcp_datastates/<run>-<hash>); give several to name the tiers of every
-rank. A rank's part comes from its own tier, else from a peer's replica of it
-(replicate=True), else from a part already in DURABLE_DIR/step_<N>. With the
-ranks spread over several nodes and no replicas, run it on each node with
+/dev/shm/dcp_datastates-<uid>/<run>-<hash>/rank_0, <run> being the last names
+of the durable_dir) or a job's memory root holding rank_<r> tiers
+(/dev/shm/dcp_datastates-<uid>/<run>-<hash>); give several to name the tiers of
+every rank. A rank's part comes from its own tier, else from a peer's replica
+of it (replicate=True), else from a part already in DURABLE_DIR/step_<N>. With
+the ranks spread over several nodes and no replicas, run it on each node with
 --step N --partial: each writes its ranks' parts, the last commits the step.
 
 Files and sizes are checked before anything is written; every checksum as each
 part is copied (a damaged part is refused and the step not committed). Run it
-when no job is using these directories. Exits 0 when the step is persisted or
-nothing was needed, 1 (naming the path) for a missing directory, a step not
+when no job is using these directories (a manager or another persist holding a
+memory tier is named, with its pid, and refused); a memory tier another user
+owns or may write is refused. Exits 0 when the step is persisted or nothing
+was needed, 1 (naming the path) for a missing directory, a step not
 committed, a rank missing or damaged (naming the file and the item whose
 checksum fails)."""
 

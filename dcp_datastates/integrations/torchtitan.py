@@ -382,8 +382,8 @@ if _CheckpointManager is not None:
 
             memory_dir: str | None = None
             """With memory_tier: the job's memory root (rank r uses memory_dir/rank_<r>; give a
-            node-local path, tmpfs or NVMe). None: /dev/shm/dcp_datastates/<the folder's
-            last names>-<hash>/rank_<r>."""
+            node-local path, tmpfs or NVMe). None: /dev/shm/dcp_datastates-<uid>/<the
+            folder's last names>-<hash>/rank_<r>."""
 
             memory_keep: int = 2
             """With memory_tier: checkpoints each rank keeps in memory (size the tier for one

@@ -217,7 +217,7 @@ class Budget:
     through :meth:`wait`."""
 
     def __init__(self, max_overhead: float, clock: Callable[[], float], ranks: Ranks,
-                 history: list[SaveFigures]) -> None:
+                 history: deque[SaveFigures]) -> None:
         self.account = Account(float(max_overhead))
         self.drag = Drag(clock)
         self.clock, self.ranks, self.history = clock, ranks, history

@@ -1,20 +1,24 @@
-"""The claims of a manager's tier directories: one manager (one job) at a time on each.
+"""The claims of the tier directories: one manager (one job), or one ``persist`` command, at a
+time on each.
 
 Each rank claims its memory tier; the job claims its durable tier, through rank 0 (every rank
 of a job shares the durable tier: one claim per job, not per process). A claim is a
 :class:`~dcp_datastates.directory.DirectoryClaim` (an ``fcntl`` lock that dies with its
-process, so a manager killed by SIGKILL leaves none behind) on a lock file beside the tier
-directory, ``.<name>.dcp_datastates-tier.lock`` (the tier directory itself holds only steps);
-the lock file holds the holder's pid. A second manager, in another process or in the same
-one, fails at construction with an error naming the directory and that pid, on every rank.
-A tier beside which this process may not write (a read-only durable tier a manager only loads
-from) is not claimed: nothing of this process is written there.
+process, so a manager killed by SIGKILL leaves none behind) on a lock file inside the tier,
+``.dcp_datastates-tier.lock``: a tier that may be written can be claimed, whoever owns its
+parent, and nothing is left beside it. The lock file holds the holder's pid and what it is (a
+CheckpointManager, the ``persist`` command); a second one, in another process or in the same
+one, fails naming the directory, the holder and its pid, on every rank.
+
+Before a tier is claimed it is made if need be and checked (:mod:`.private`: owned by this
+user, writable by no one else), and it must be writable where the holder is to write it: a
+durable tier a manager only loads from (``persist=None``) may be read-only, and is then not
+claimed (nothing of this process is written there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import time
@@ -23,90 +27,121 @@ from pathlib import Path
 
 from ..directory import DirectoryClaim
 from ..errors import CheckpointError
+from .private import check_tier, writable
 from .ranks import Ranks
 
 log = logging.getLogger("dcp_datastates")
 
-LOCK_SUFFIX = ".dcp_datastates-tier.lock"
+LOCK_NAME = ".dcp_datastates-tier.lock"
 #: How long a refused claim waits for the holder's pid to be in its lock file.
 PID_WAIT_S = 1.0
-
-
-def lock_path(directory: Path) -> Path:
-    """The lock file of the tier ``directory`` (of its real path: links name one tier)."""
-    real = Path(os.path.realpath(directory))
-    return real.parent / f".{real.name}{LOCK_SUFFIX}"
+#: What holds a claim, as the error of a refused one names it.
+MANAGER = "another CheckpointManager"
+PERSIST_COMMAND = "a `python -m dcp_datastates persist` command"
+#: Modes of the tier directories a claim makes: memory tiers private, durable ones readable.
+MEMORY_MODE, DURABLE_MODE = 0o700, 0o755
 
 
 class TierClaim(DirectoryClaim):
-    """One manager's claim of the tier ``directory`` (``what``: "memory tier", ...): its lock
-    file holds the holder's pid, which the error of a second manager names."""
+    """The claim of the tier ``directory`` (``what``: "memory tier", ...) by ``holder``
+    (:data:`MANAGER`, ...): its lock file holds the pid and the holder, which the error of a
+    second claim names."""
 
-    def __init__(self, directory: Path, what: str) -> None:
+    def __init__(self, directory: Path, what: str, holder: str) -> None:
         self.what = what
-        super().__init__(directory, lock_path(directory))
-        pid = f"{os.getpid()}\n".encode()
-        os.pwrite(self._fd, pid, 0)  # then cut: never an empty file while held
-        os.ftruncate(self._fd, len(pid))
+        super().__init__(directory, directory / LOCK_NAME)
+        mine = f"{os.getpid()}\n{holder}\n".encode()
+        os.pwrite(self._fd, mine, 0)  # then cut: never an empty file while held
+        os.ftruncate(self._fd, len(mine))
 
     def refused(self, directory: Path) -> CheckpointError:
-        holder = _holder(self.path)
-        pid = f"pid {holder}" if holder is not None else "pid unknown"
+        pid, holder = _holder(self.path)
+        todo = ("close that manager first, or give this one other directories"
+                if holder == MANAGER else "let it end first, or use other directories")
         return CheckpointError(
-            f"{self.what} {directory} is in use by another CheckpointManager ({pid}, holding "
-            f"{self.path}): close that manager first, or give this one other directories")
+            f"{self.what} {directory} is in use by {holder or 'another process'} (pid "
+            f"{pid if pid is not None else 'unknown'}, holding {self.path}): {todo}")
 
 
-def _holder(path: Path) -> int | None:
-    """The pid in the lock file ``path``; the holder writes it just after locking, so a
-    contender that finds it empty looks again for a moment."""
+def _holder(path: Path) -> tuple[int | None, str]:
+    """The pid and the holder in the lock file ``path``; the holder writes them just after
+    locking, so a contender that finds no pid looks again for a moment."""
     deadline = time.monotonic() + PID_WAIT_S
     while True:
         try:
-            text = path.read_text().split("\n", 1)[0].strip()
-        except OSError:
-            text = ""
-        if text.isdigit() or time.monotonic() >= deadline:
-            return int(text) if text.isdigit() else None
+            lines = path.read_text().split("\n")
+        except (OSError, UnicodeDecodeError):
+            lines = [""]
+        pid = lines[0].strip()
+        if pid.isdigit() or time.monotonic() >= deadline:
+            holder = lines[1].strip()[:100] if len(lines) > 1 else ""
+            return (int(pid) if pid.isdigit() and len(pid) < 10 else None), holder
         time.sleep(0.005)
 
 
-def claim_tier(directory: Path, what: str) -> TierClaim | None:
-    """Claim the tier ``directory``; raise CheckpointError naming it and the holder's pid
-    where another manager holds it. None: read-only, not claimed."""
+def ready_tier(directory: Path, what: str, mode: int, *, required: bool) -> bool:
+    """Check that the tier ``directory`` is this user's (:func:`~.private.check_tier`), and
+    return whether this process may write it. ``required``: it is to be written, so it is
+    made (with ``mode``) if need be, and CheckpointError (saying why and what to do) is
+    raised where it cannot be made or written; else a tier that does not exist is left
+    alone (False)."""
+    if required:
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=mode)
+        except OSError as exc:
+            raise CheckpointError(f"{what} {directory} cannot be made: {exc}") from exc
+    elif not directory.exists():
+        return False
+    check_tier(directory, what)
+    if writable(directory):
+        return True
+    if required:
+        raise CheckpointError(
+            f"{what} {directory} is not writable by this user: checkpoints could not be "
+            f"written there. Make it writable (chmod u+w {directory}), or give another "
+            f"directory" + (" (or persist=None to only load from it)"
+                            if what == "durable tier" else ""))
+    log.info("dcp_datastates: %s %s is not writable by this user: read only, not claimed",
+             what, directory)
+    return False
+
+
+def claim_tier(directory: Path, what: str, holder: str) -> TierClaim:
+    """Claim the tier ``directory`` (ready: :func:`ready_tier`) for ``holder``; raise
+    CheckpointError naming it, the holder and its pid where another holds it."""
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        return TierClaim(directory, what)
+        return TierClaim(directory, what, holder)
     except OSError as exc:
-        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        log.info("dcp_datastates: %s %s is not claimed: %s (read-only?)", what, directory, exc)
-        return None
+        raise CheckpointError(f"{what} {directory} cannot be claimed: {exc}") from exc
 
 
 @contextlib.contextmanager
 def claimed(directories: list[Path], what: str) -> Iterator[None]:
-    """Hold the claims of the tiers ``directories`` meanwhile (an offline tool writing them
-    while no manager does); raise as :func:`claim_tier` where a manager holds one."""
+    """Hold the claims of the tiers ``directories`` for the ``persist`` command meanwhile
+    (it writes them while no manager does); raise as :func:`claim_tier` where another holds
+    one. A tier it may not write (another user's job left it readable) is read unclaimed."""
     with contextlib.ExitStack() as held:
         for directory in directories:
-            claim = claim_tier(directory, what)
-            if claim is not None:
-                held.callback(claim.release)
+            if ready_tier(directory, what, MEMORY_MODE, required=False):
+                held.callback(claim_tier(directory, what, PERSIST_COMMAND).release)
         yield
 
 
 class TierClaims:
-    """This rank's memory tier and (rank 0's) the job's durable tier, claimed collectively:
-    where any rank cannot claim its tier, every rank raises that rank's error."""
+    """This rank's memory tier and (rank 0's) the job's durable tier, checked and claimed
+    collectively: where any rank cannot, every rank raises that rank's error. ``persists``:
+    the manager writes the durable tier (else it may be read-only, and is then not claimed)."""
 
-    def __init__(self, memory: Path, durable: Path | None, ranks: Ranks) -> None:
-        self._held: list[TierClaim | None] = []
+    def __init__(self, memory: Path, durable: Path | None, ranks: Ranks, *,
+                 persists: bool) -> None:
+        self._held: list[TierClaim] = []
         error: Exception | None = None
         try:
-            self._held.append(claim_tier(memory, "memory tier"))
-            if durable is not None and ranks.rank == 0:
-                self._held.append(claim_tier(durable, "durable tier"))
+            ready_tier(memory, "memory tier", MEMORY_MODE, required=True)
+            self._held.append(claim_tier(memory, "memory tier", MANAGER))
+            if durable is not None and ready_tier(durable, "durable tier", DURABLE_MODE,
+                                                  required=persists) and ranks.rank == 0:
+                self._held.append(claim_tier(durable, "durable tier", MANAGER))
         except (CheckpointError, OSError) as exc:  # every rank must reach the gather
             error = exc
         errors = ranks.gather(None if error is None else str(error))
@@ -121,5 +156,4 @@ class TierClaims:
         """Drop the claims (idempotent)."""
         held, self._held = self._held, []
         for claim in held:
-            if claim is not None:
-                claim.release()
+            claim.release()

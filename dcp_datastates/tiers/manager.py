@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,20 +35,24 @@ from ..engine import Engine, default_engine
 from ..sizes import parse_size
 from ..snapshot import layout, walk
 from .budget import Budget, check_max_overhead
-from .claims import TierClaims
+from .claims import MEMORY_MODE, TierClaims
 from .handles import SaveFigures, SaveHandle
 from .local_dcp import plain
 from .memory_save import MemorySaver
 from .persister import Persister
+from .private import check_private, user_root
 from .ranks import Ranks
 from .reports import Reports
 from .restore import Restorer, held, pick
-from .retention import Retention
+from .retention import ABANDONED, Retention
 from .slots import SlotPool
-from .steps import committed_steps, remove_dead_unfinished
+from .steps import remove_dead_unfinished
 from .unclosed import Unclosed
 
 log = logging.getLogger("dcp_datastates")
+
+#: Saves whose figures ``CheckpointManager.history`` keeps (the latest ones).
+HISTORY_KEPT = 1000
 
 
 class CheckpointManager:
@@ -57,13 +62,15 @@ class CheckpointManager:
         durable_dir: where persisted checkpoints go (shared or local file system); None keeps
             checkpoints in memory only.
         memory_dir: this rank's memory tier; default
-            ``/dev/shm/dcp_datastates/<durable_dir's last names>-<hash>/rank_<rank>``. Give
-            every rank of a node its own directory (the default does).
+            ``/dev/shm/dcp_datastates-<uid>/<durable_dir's last names>-<hash>/rank_<rank>``
+            (made 0700). Give every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (plus up to two being written and one being
             persisted: size the tier for ``keep_memory + 3`` states).
-        keep_durable: durable checkpoints kept (None: all).
+        keep_durable: durable checkpoints kept (None: all); also the sets of steps set
+            aside in ``durable_dir/.abandoned`` that are kept.
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
-            as its file system has free. A save that would not fit fails before writing.
+            as its file system has free. A save that would not fit drops persisted steps from
+            the tier first (oldest first), then fails before writing.
         persist: ``"idle"`` keeps the disk busy: a save is persisted when every rank's
             previous persist is over, and a persist that ends goes on with the newest step
             committed meanwhile; N persists every N-th save (one due during a persist is
@@ -81,7 +88,9 @@ class CheckpointManager:
     Under ``torch.distributed`` the manager makes gloo groups of its own (collectively, in the
     constructor): make it on every rank at the same point. It claims its memory tier, and the
     job (through rank 0) its durable tier (:mod:`.claims`): a second manager on either fails
-    here, naming the directory and the holder's pid.
+    here, naming the directory and the holder's pid. A tier directory another user owns or
+    may write, or one it cannot write (the durable tier: unless ``persist=None``), fails
+    here too, saying why (:mod:`.private`).
     """
 
     @checked_keywords
@@ -106,14 +115,16 @@ class CheckpointManager:
         if replicate and self.world == 1:
             log.info("dcp_datastates: replicate=True with one rank: no peer to replicate to")
         self.replicate = replicate and self.world > 1
-        self.history: list[SaveFigures] = []  # saves committed, then skipped ones at once
+        #: the figures of the latest HISTORY_KEPT saves: committed, and skipped ones at once
+        self.history: deque[SaveFigures] = deque(maxlen=HISTORY_KEPT)
         self._budget = None if max_overhead is None else Budget(max_overhead, clock, ranks,
                                                                 self.history)
         self._reports = Reports()  # errors of saves that wait() or close() has to raise
         self._handles: list[SaveHandle] = []
         self._closed = False
         self._rollback: int | None = None  # step a load went back to, newer steps existing
-        self._claims = TierClaims(self.memory, self.durable, ranks)
+        self._claims = TierClaims(self.memory, self.durable, ranks,
+                                  persists=self.persist_policy is not None)
         try:
             remove_dead_unfinished(self.memory)  # only its holder cleans a tier
             self._wire()
@@ -133,7 +144,8 @@ class CheckpointManager:
         # on tmpfs, snapshots go straight into slot files that become the steps' data files
         self._slots = (SlotPool(self.engine, self.memory, self.keep_memory + 3)
                        if memory_backed(self.memory) else None)
-        self._retention = Retention(self.memory, self.durable, self._slots, self._ranks)
+        self._retention = Retention(self.memory, self.durable, self._slots, self._ranks,
+                                    keep_aside=self.keep_durable)
         self._after = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-tier")
         self._saver = MemorySaver(
             self._retention, self.memory_limit, self.keep_memory, self._slots, self._ranks,
@@ -165,12 +177,15 @@ class CheckpointManager:
         tiers and moves the durable ones to ``durable_dir/.abandoned/<time>/`` (logged). A step
         saved again (a tier holds it already) replaces it in every tier: the old copies leave
         the memory tiers and the durable one moves aside the same way (logged; this save waits
-        for the saves and persists before it first). Under ``max_overhead``, a save that does
-        not fit is skipped: its handle says why.
+        for the saves and persists before it first). A step older than the newest one saved
+        or held (a counter that restarted) raises ValueError here, nothing written: retention
+        would delete it at once. Under ``max_overhead``, a save that does not fit is skipped:
+        its handle says why.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self._check_open("no more saves")
+        self._check_not_older(step)
         if self._rollback is not None:
             self._retention.set_aside(self._rollback)
             self._taken = {s for s in self._taken if s <= self._rollback}
@@ -185,7 +200,6 @@ class CheckpointManager:
             self._retention.replace(step)
         self._taken.add(step)
         start = time.perf_counter()
-        _warn_of_newer(self.memory, step)
         handle = self._saver.start(step, plain(state), start, slot)
         if self._persister is not None:
             self._persister.after_save(handle)
@@ -194,6 +208,23 @@ class CheckpointManager:
         if self._budget is not None:
             self._budget.taken(handle)
         return handle
+
+    def _check_not_older(self, step: int) -> None:
+        """Raise ValueError where ``step`` is older than the newest step saved or held (after
+        the going back that a ``load`` asked for)."""
+        taken = self._taken if self._rollback is None else {
+            s for s in self._taken if s <= self._rollback}
+        newest = max(taken, default=None)
+        if newest is None or step >= newest:
+            return
+        aside = f" (to {self.durable / ABANDONED})" if self.durable is not None else ""
+        raise ValueError(
+            f"save of step {step} refused: step {newest} is the newest in the tiers (memory "
+            f"{self.memory}, durable {self.durable}), and retention keeps the newest steps, so "
+            f"step {step} would be deleted at once. A new run (a step counter that starts "
+            f"again) goes into new directories (another durable_dir, memory_dir); to go back "
+            f"and train on from an older step, load(state, step=N) it first (N <= {step}): "
+            f"the next save then sets the newer steps aside{aside}")
 
     def prepare(self, state: dict, wait: bool = False) -> None:
         """Have the memory tier's slots sized for states like ``state`` and pinned (about 0.8 s
@@ -260,17 +291,20 @@ class CheckpointManager:
         self._reports.raise_first(unraised_only=True)
 
     def _stop(self) -> None:
-        """Stop the manager's threads (once its saves are over) and unmap its slots."""
-        self._unclosed.untrack()
-        if self._timing is not None:
-            self._timing.remove()
-        self._saver.close()
-        self._after.shutdown(wait=True)
-        if self._persister is not None:
-            self._persister.close()
-        if self._slots is not None:
-            self._slots.close()
-        self._claims.release()
+        """Stop the manager's threads (once its saves are over) and unmap its slots; the
+        claims are given up whatever fails."""
+        try:
+            self._unclosed.untrack()
+            if self._timing is not None:
+                self._timing.remove()
+            self._saver.close()
+            self._after.shutdown(wait=True)
+            if self._persister is not None:
+                self._persister.close()
+            if self._slots is not None:
+                self._slots.close()
+        finally:
+            self._claims.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -309,22 +343,19 @@ class CheckpointManager:
 
 def _memory_tier(memory_dir: str | os.PathLike | None, durable: Path | None,
                  rank: int) -> Path:
-    """This rank's memory tier (made if need be)."""
-    memory = (Path(os.path.expanduser(memory_dir)).absolute() if memory_dir
-              else _default_memory_dir(durable, rank))
+    """This rank's memory tier; the default's per-user root and run directory are made (0700)
+    and checked (:mod:`.private`), the tier itself is when it is claimed."""
+    if memory_dir:
+        memory = Path(os.path.expanduser(memory_dir)).absolute()
+    else:
+        memory = _default_memory_dir(durable, rank)
+        root = user_root()
+        for directory in (root, memory.parent):
+            directory.mkdir(mode=MEMORY_MODE, exist_ok=True)
+            check_private(directory, "memory tiers' directory", follow=directory != root)
     if durable is not None and os.path.realpath(memory) == os.path.realpath(durable):
         raise ValueError(f"memory_dir {memory} is durable_dir: give each tier its own directory")
-    memory.mkdir(parents=True, exist_ok=True)
     return memory
-
-
-def _warn_of_newer(memory: Path, step: int) -> None:
-    """Warn where the memory tier holds steps newer than ``step`` (they stay)."""
-    newer = [s for s in committed_steps(memory) if s > step]
-    if newer:  # a rollback (load(step=older), then training on): the newer steps stay
-        log.warning("dcp_datastates: saving step %d while the memory tier holds newer "
-                    "steps %s (a rollback?): they stay, and latest_step() returns the "
-                    "newest of them until they are removed", step, newer)
 
 
 def _snapshot_size(state: dict) -> tuple[int, int]:
@@ -351,9 +382,10 @@ def _check_options(durable_dir: object, memory_dir: object, keep_memory: object,
 
 
 def _default_memory_dir(durable: Path | None, rank: int) -> Path:
-    """``/dev/shm/dcp_datastates/<durable_dir's last two names>-<hash of durable_dir>/rank_<r>``:
-    the name says whose tier it is, the hash keeps tiers of equally named runs apart."""
+    """``/dev/shm/dcp_datastates-<uid>/<durable_dir's last two names>-<hash of durable_dir>/
+    rank_<r>``: the root is this user's (:func:`~.private.user_root`), the name says whose
+    tier it is, the hash keeps tiers of equally named runs apart."""
     tag = hashlib.sha1(str(durable).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(durable.parts[-2:]) if durable else "")
     name = name[-48:].strip("_")
-    return Path("/dev/shm/dcp_datastates") / (f"{name}-{tag}" if name else tag) / f"rank_{rank}"
+    return user_root() / (f"{name}-{tag}" if name else tag) / f"rank_{rank}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,7 +30,7 @@ from .plans import ReusingPlanner
 from .ranks import Ranks
 from .retention import Retention
 from .slots import NextSlot, Slot, SlotPool
-from .steps import TierRecord, size_of, step_dir, steps
+from .steps import TierRecord, committed, size_of, step_dir, steps
 
 log = logging.getLogger("dcp_datastates")
 
@@ -47,7 +48,7 @@ class MemorySaver:
 
     def __init__(self, retention: Retention, limit: int | None, keep: int,
                  slots: SlotPool | None, ranks: Ranks, replicas: Ranks | None,
-                 engine: Callable[[], Engine], history: list[SaveFigures]) -> None:
+                 engine: Callable[[], Engine], history: deque[SaveFigures]) -> None:
         self.retention, self.memory = retention, retention.memory
         self.limit, self.keep, self.slots = limit, keep, slots
         self.ranks, self.replicas, self.engine, self.history = ranks, replicas, engine, history
@@ -90,15 +91,37 @@ class MemorySaver:
 
     def _admit(self, step: int, nbytes: int, reuse: int) -> None:
         """Raise TierFullError unless a save of ``nbytes`` fits, ``reuse`` bytes of them in
-        the slot it is snapshotted into (on the tier already)."""
+        the slot it is snapshotted into (on the tier already); where it does not, steps the
+        durable tier holds leave the memory tiers first, as many as it takes, if that is
+        enough."""
         need = max(0, nbytes - reuse) + SLACK_BYTES
         free = self.room(reuse)
+        if need > free and self.retention.make_room(need - free):
+            free = self.room(reuse)
         if need > free:
             raise TierFullError(
                 f"memory tier {self.memory} has {format_size(free)} free; the checkpoint "
-                f"of step {step} needs {format_size(need)}. Nothing was written; give the "
-                f"tier more room (a larger /dev/shm, memory_limit=, or memory_dir= on local "
-                f"NVMe) or keep fewer checkpoints (keep_memory={self.keep})")
+                f"of step {step} needs {format_size(need)}. Nothing was written; "
+                f"{self._advice()}")
+
+    def _advice(self) -> str:
+        """What gives the tier room, as the options in use allow."""
+        ways = [f"a larger memory_limit= (now {format_size(self.limit)})"
+                if self.limit is not None else
+                "more free space where it lives (a larger /dev/shm: --shm-size= in a "
+                "container)",
+                "memory_dir= on local NVMe"]
+        if self.keep > 1:
+            ways.append(f"keep_memory={self.keep - 1} (now {self.keep}) to keep fewer "
+                        f"checkpoints")
+        advice = "give the tier more room: " + "; ".join(ways)
+        durable = self.retention.durable
+        unpersisted = sorted({s for root in self.retention.memory_roots() for s in steps(root)
+                              if durable is None or not committed(step_dir(durable, s))})
+        if unpersisted:
+            advice += (f". Step(s) {', '.join(map(str, unpersisted))} in it are not persisted: "
+                       f"only persisted steps leave it to make room")
+        return advice
 
     def _upload(self, writer: DataStatesWriter, staged: Future) -> None:
         """The rest of a save, as ``dcp.async_save`` runs it on a thread of its own (this
@@ -108,6 +131,9 @@ class MemorySaver:
             local_dcp.save(staged.result(), writer, self.planner)
         finally:
             writer.close()  # a snapshot that DCP's save did not take is given back
+            # a save DCP gave up between two writer calls (its planner failed) ends now, not
+            # at the engine's next look: what it holds (its slot) is free before the handle
+            writer.engine.reap_abandoned()
 
     def room(self, reused: int = 0) -> int:
         """Bytes a new memory-tier checkpoint may take now, besides the ``reused`` bytes of

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from ..errors import CheckpointCorruptError, CheckpointError
 from .claims import claimed
 from .persist import parts_of, persist_part
+from .replica import REPLICAS
 from .steps import (
     RECORD_NAME,
     TierRecord,
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     from ..engine import Engine
 
 RANK_RE = re.compile(r"^rank_(\d+)$")
-REPLICAS = "replicas"
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ engine's I/O path, and its metadata is committed as a part, ``.part.<rank>`` (a 
 holding that rank's ``.metadata``). Whichever rank completes the set of parts merges them into
 one ``.metadata`` under the directory's claim and commits it (the same commit as any save's),
 so the durable checkpoint is an ordinary DataStates checkpoint of the whole job (it loads on
-any number of ranks). A persist that stops half-way leaves no ``.metadata``: the step is never
-taken for a checkpoint.
+any number of ranks), and fsyncs the durable tier's directory, so that the new step's name is
+durable before retention removes older steps. A persist that stops half-way leaves no
+``.metadata``: the step is never taken for a checkpoint.
 """
 
 from __future__ import annotations
@@ -56,7 +57,22 @@ def persist_part(engine: Engine, source: Path, target: Path, rank: int, world_si
         copy_checkpoint(engine, source, target, part=target / f"{PART_PREFIX}{rank}")
     except CheckpointCorruptError as exc:
         raise DamagedStepError(f"{source} is damaged, so it is not persisted: {exc}") from exc
-    return commit_parts(target, world_size)
+    done = commit_parts(target, world_size)
+    if done:
+        sync_name(engine, target)
+    return done
+
+
+def sync_name(engine: Engine, directory: Path) -> None:
+    """Make ``directory``'s name in its parent durable (an fsync of the parent, through the
+    engine's I/O path): a new step must survive a crash before retention removes the older
+    ones, which a failure here keeps (it raises, naming the parent)."""
+    parent = directory.parent
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        engine.io.fsync(fd, str(parent))
+    finally:
+        os.close(fd)
 
 
 def commit_parts(target: Path, world_size: int) -> bool:

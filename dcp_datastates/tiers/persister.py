@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,7 +40,7 @@ class Persister:
 
     def __init__(self, policy: int | str, durable: Path, retention: Retention, *,
                  keep: tuple[int, int | None], ranks: Ranks, engine: Callable[[], Engine],
-                 after: Callable[..., object], history: list[SaveFigures],
+                 after: Callable[..., object], history: deque[SaveFigures],
                  errors: Reports) -> None:
         self.policy, self.durable, self.retention = policy, durable, retention
         self.memory = retention.memory

@@ -24,9 +24,12 @@ from .steps import remove_step, step_dir
 
 log = logging.getLogger("dcp_datastates")
 
+#: The directory of a memory tier that holds its replicas of other ranks' steps.
+REPLICAS = "replicas"
+
 
 def replica_root(memory_root: Path, owner: int) -> Path:
-    return memory_root / "replicas" / f"rank_{owner}"
+    return memory_root / REPLICAS / f"rank_{owner}"
 
 
 def _files(directory: Path) -> list[str]:

@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from ..reader import DataStatesReader
 from . import local_dcp, replica
 from .ranks import Ranks
-from .steps import committed, committed_steps, complete, step_dir
+from .steps import DAMAGE_ERRORS, committed, committed_steps, complete, step_dir
 
 log = logging.getLogger("dcp_datastates")
 
@@ -88,31 +88,36 @@ class Restorer:
 
     def restore(self, state: dict, step: int | None) -> tuple[int, list[int]]:
         """Load ``step`` (None: the newest step every rank can restore) into ``state``, on
-        every rank. Without ``step``, a step that does not load on some rank (damaged: a
-        checksum fails in every tier holding it) gives way to the next older one, on every
-        rank (logged as an error). Returns the step loaded and the newer steps some tier
-        holds (collective)."""
+        every rank. Without ``step``, a step that does not load on some rank (damaged in every
+        tier holding it: a checksum fails, a file is unreadable) gives way to the next older
+        one, on every rank (logged as an error); where none loads, this rank's error for the
+        newest one is raised (noting the others). Returns the step loaded and the newer steps
+        some tier holds (collective)."""
         views = self.views()
-        chosen, failures = pick(views, step), []
+        chosen, failures, first = pick(views, step), [], None
         while chosen is not None:
             self.fetch(views, chosen)
             try:
                 self.load(state, chosen)
                 error = None
-            except (CheckpointError, OSError) as exc:
+            except DAMAGE_ERRORS as exc:
                 error = exc
-            bad = [(r, e) for r, e in enumerate(self.ranks.gather(error and str(error)))
+            bad = [(r, e) for r, e in enumerate(self.ranks.gather(error and _said(error)))
                    if e is not None]
             if not bad:
                 return chosen, newer_than(views, chosen)
             failures.append(f"step {chosen}: rank {bad[0][0]}: {bad[0][1]}")
             if step is not None:
                 raise error or CheckpointError(failures[-1])
+            first = first or error
             log.error("dcp_datastates: step %d does not load (%s); falling back to the next "
                       "older step", chosen, "; ".join(f"rank {r}: {e}" for r, e in bad))
             chosen = pick(views, None, below=chosen)
         if failures:
-            raise CheckpointError(f"no step loads: {'; '.join(failures)}")
+            if first is None:
+                raise CheckpointError(f"no step loads: {'; '.join(failures)}")
+            first.add_note(f"no step loads: {'; '.join(failures)}")
+            raise first
         where = f"step {step}" if step is not None else "a checkpoint"
         raise FileNotFoundError(
             f"no tier holds {where} complete on every rank (memory {self.memory}, durable "
@@ -130,20 +135,26 @@ class Restorer:
                      "replica", step, self.ranks.rank, self.memory, source)
 
     def load(self, state: dict, step: int) -> None:
-        """Load ``step`` into ``state`` from this rank's memory tier, else the durable tier."""
+        """Load ``step`` into ``state`` from this rank's memory tier, else (that copy failing
+        as a damaged one may: :data:`DAMAGE_ERRORS`, logged) the durable tier. Where no other
+        copy is left, the memory copy's error is raised."""
         start = time.perf_counter()
         mine = step_dir(self.memory, step)
+        failed: BaseException | None = None
         if complete(mine):
             try:
                 self._read(state, mine)
                 log.info("dcp_datastates: restored step %d from the memory tier (%s) in %.2f s",
                          step, mine, time.perf_counter() - start)
                 return
-            except (CheckpointError, OSError) as exc:
+            except DAMAGE_ERRORS as exc:
+                failed = exc
                 log.warning("dcp_datastates: memory tier copy of step %d unusable (%s); "
-                            "loading it from the durable tier", step, exc)
+                            "loading it from the durable tier", step, _said(exc))
         target = step_dir(self.durable, step) if self.durable is not None else None
         if target is None or not committed(target):
+            if failed is not None:
+                raise failed
             raise CheckpointError(f"step {step} is in no tier of rank {self.ranks.rank}")
         self._read(state, target)
         log.info("dcp_datastates: restored step %d from the durable tier (%s) in %.2f s",
@@ -151,3 +162,11 @@ class Restorer:
 
     def _read(self, state: dict, directory: Path) -> None:
         local_dcp.load(state, directory, DataStatesReader(engine=self.engine()))
+
+
+def _said(error: BaseException) -> str:
+    """``error`` as a log line says it: its type too, unless it is a CheckpointError or an
+    OSError (whose messages say what failed)."""
+    if isinstance(error, (CheckpointError, OSError)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

@@ -5,12 +5,14 @@ committed go too), except memory steps marked as being read (a persist, a replic
 stay until read, and retention runs again after. A dropped memory step's ``.metadata`` goes
 first, then its data file goes back to being a free slot. Going back (``load`` of an older step,
 then training on) sets the newer steps aside; a step saved again is set aside the same way.
+``durable_dir/.abandoned`` keeps the newest ``keep_durable`` sets of steps set aside.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,9 +23,20 @@ from ..directory import new_token
 from . import replica
 from .ranks import Ranks
 from .slots import SlotPool
-from .steps import committed_steps, remove_step, step_dir, steps, uncommit
+from .steps import (
+    committed,
+    committed_steps,
+    remove_step,
+    size_of,
+    step_dir,
+    steps,
+    uncommit,
+)
 
 log = logging.getLogger("dcp_datastates")
+
+#: Where the durable steps that training left are set aside, a directory per set.
+ABANDONED = ".abandoned"
 
 
 class Retention:
@@ -31,9 +44,11 @@ class Retention:
     durable tier ``durable``) to their sizes; ``slots``: the memory tier's slot pool, if any."""
 
     def __init__(self, memory: Path, durable: Path | None, slots: SlotPool | None,
-                 ranks: Ranks) -> None:
+                 ranks: Ranks, keep_aside: int | None = None) -> None:
         self.memory, self.durable, self.slots, self.ranks = memory, durable, slots, ranks
+        self.keep_aside = keep_aside  # sets of steps kept in durable/.abandoned (None: all)
         self._lock = threading.Lock()
+        self._dropping = threading.Lock()  # held by one drop at a time
         self._busy: dict[int, int] = {}  # memory steps being read, and by how many
 
     def memory_roots(self) -> list[Path]:
@@ -70,18 +85,51 @@ class Retention:
         for s in drop:
             self.drop(root, s)
 
-    def drop(self, root: Path, step: int) -> None:
+    def drop(self, root: Path, step: int, *, reuse_slot: bool = True) -> bool:
         """Remove ``step`` from the tier ``root``; from this rank's memory tier only if it is
-        not being read, and its data file goes back to being a free slot."""
+        not being read, and its data file goes back to being a free slot (``reuse_slot``) or
+        goes with it. Returns whether it went. Drops are made one at a time (the thread that
+        keeps the tiers, and a save making room)."""
         directory = step_dir(root, step)
-        if root == self.memory:
-            with self._lock:  # a step marked as being read meanwhile stays committed
-                if step in self._busy:
-                    return
-                uncommit(directory)
-            if self.slots is not None:  # uncommitted: its data file may be a free slot
-                self.slots.reclaim(directory)
-        remove_step(directory)
+        with self._dropping:
+            if root == self.memory:
+                with self._lock:  # a step marked as being read meanwhile stays committed
+                    if step in self._busy:
+                        return False
+                    uncommit(directory)
+                if self.slots is not None:  # uncommitted: its data file may be a slot
+                    if reuse_slot:
+                        self.slots.reclaim(directory)
+                    else:
+                        self.slots.discard(directory)
+            remove_step(directory)
+        return True
+
+    def make_room(self, shortfall: int) -> list[int]:
+        """Free ``shortfall`` bytes of the memory tiers by dropping steps that the durable tier
+        holds committed (their copies there stay), oldest first, if they hold that much (else
+        none goes); return those dropped (logged). Their data files are deleted, not kept as
+        free slots (those would take the same room)."""
+        if self.durable is None:
+            return []
+        persisted = sorted((s, root) for root in self.memory_roots()
+                           for s in committed_steps(root)
+                           if committed(step_dir(self.durable, s)))
+        sizes = [size_of(step_dir(root, s)) for s, root in persisted]
+        if sum(sizes) < shortfall:
+            return []
+        dropped: list[int] = []
+        for (s, root), size in zip(persisted, sizes, strict=True):
+            if shortfall <= 0:
+                break
+            if self.drop(root, s, reuse_slot=False):
+                dropped.append(s)
+                shortfall -= size
+        if dropped:
+            log.warning("dcp_datastates: the memory tier %s was full: persisted step(s) %s "
+                        "dropped from it to make room (their durable copies stay)",
+                        self.memory, dropped)
+        return dropped
 
     def set_aside(self, after: int) -> None:
         """Training went on from ``after`` (``load`` of an older step): the steps newer than it
@@ -103,12 +151,31 @@ class Retention:
                     self.drop(root, s)
         moving = [s for s in steps(self.durable) if which(s)] if self.durable else []
         if moving and self.ranks.rank == 0:
-            aside = _new_aside(self.durable / ".abandoned")
+            aside = _new_aside(self.durable / ABANDONED)
             for s in moving:
                 os.rename(step_dir(self.durable, s), aside / step_dir(self.durable, s).name)
             log.warning("dcp_datastates: %s: the durable steps %s were moved to %s", why,
                         moving, aside)
+            self._prune_aside()
         self.ranks.barrier()  # no rank persists into a step being moved
+
+    def _prune_aside(self) -> None:
+        """Keep the newest ``keep_aside`` sets of ``durable/.abandoned`` (removed oldest first,
+        each step's ``.metadata`` first; logged)."""
+        root = self.durable / ABANDONED
+        if self.keep_aside is None:
+            return
+        sets = sorted((p for p in root.iterdir() if p.is_dir() and not p.is_symlink()),
+                      key=lambda p: (p.stat().st_mtime_ns, p.name))
+        old = sets[:-self.keep_aside]
+        for aside in old:
+            for entry in aside.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    remove_step(entry)
+            shutil.rmtree(aside, ignore_errors=True)
+        if old:
+            log.info("dcp_datastates: removed %s from %s (it keeps the newest %d, as "
+                     "keep_durable)", ", ".join(p.name for p in old), root, self.keep_aside)
 
 
 def _new_aside(root: Path) -> Path:

@@ -371,6 +371,14 @@ class SlotPool:
             self._thread.wake()
         self._serve()
 
+    def discard(self, directory: Path) -> None:
+        """The step ``directory`` is being dropped to make room on the tier: its slot is
+        forgotten, and its file goes with the step."""
+        with self._lock:
+            slot = self._held.pop(directory, None)
+        if slot is not None:
+            self._forget(slot)
+
     def _forget(self, slot: Slot) -> None:
         with self._lock:
             self._count -= 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,15 @@ NAMING_NAME = ".dcp_datastates-steps"
 PREFIXES = {"step_": STEP_RE, "step-": re.compile(r"^step-(\d+)$")}
 
 log = logging.getLogger("dcp_datastates")
+
+#: What reading a damaged or hostile step can raise besides CheckpointError and OSError: bad
+#: values (a number of more than 4300 digits, bad UTF-8, a shape DCP refuses), numbers out of
+#: range, a ``.metadata`` holding objects of the wrong shape (LookupError, TypeError,
+#: AttributeError), a cut pickle, nesting too deep, a size too large to allocate. Errors of
+#: no such kind (a RuntimeError, an AssertionError) are not taken for damage.
+DAMAGE_ERRORS: tuple[type[BaseException], ...] = (
+    CheckpointError, OSError, ValueError, ArithmeticError, LookupError, TypeError,
+    AttributeError, EOFError, pickle.UnpicklingError, RecursionError, MemoryError)
 
 
 def step_prefix(root: Path) -> str:
@@ -122,7 +132,18 @@ def committed_steps(root: Path) -> list[int]:
 
 def check_complete(directory: Path) -> None:
     """Raise CheckpointCorruptError unless ``directory``'s metadata reads and every file it
-    names is there and long enough (checksums are checked as the load reads)."""
+    names is there and long enough (checksums are checked as the load reads); any error a
+    damaged ``.metadata`` raises (:data:`DAMAGE_ERRORS`) is one, naming the directory."""
+    try:
+        _check_complete(directory)
+    except (CheckpointError, OSError):
+        raise
+    except DAMAGE_ERRORS as exc:
+        raise CheckpointCorruptError(
+            f"{directory}: its .metadata is damaged ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_complete(directory: Path) -> None:
     metadata = read_metadata(directory)
     check_locations(directory, metadata)
     ends: dict[str, int] = {}
@@ -141,7 +162,7 @@ def check_complete(directory: Path) -> None:
 def complete(directory: Path) -> bool:
     try:
         check_complete(directory)
-    except (CheckpointCorruptError, OSError):
+    except (CheckpointError, OSError):
         return False
     return True
 
