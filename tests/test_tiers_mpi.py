@@ -118,7 +118,7 @@ def test_replica_restores_a_lost_node_memory(world: World, nodes: Path, engine: 
                            engine=engine) as manager:
         for step in (1, 2, 3):
             manager.save(step, rank_state(world.rank, step))
-        manager.wait()
+            manager.wait()  # each exchange over before the next save: every step replicated
     prev = (world.rank - 1) % world.size
     replicas = mine / "replicas" / f"rank_{prev}"
     if committed_steps(replicas) != [2, 3]:

@@ -42,6 +42,7 @@ from .memory_save import MemorySaver
 from .persister import Persister
 from .private import check_private, user_root
 from .ranks import Ranks
+from .replicator import Replicator
 from .reports import Reports
 from .restore import Restorer, held, pick
 from .retention import ABANDONED, Retention
@@ -147,10 +148,12 @@ class CheckpointManager:
         self._retention = Retention(self.memory, self.durable, self._slots, self._ranks,
                                     keep_aside=self.keep_durable)
         self._after = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-tier")
+        self._replicator = Replicator(self._ranks, self._ranks.another_group(),
+                                      self._retention, self.keep_memory) \
+            if self.replicate else None
         self._saver = MemorySaver(
             self._retention, self.memory_limit, self.keep_memory, self._slots, self._ranks,
-            self._ranks.another_group() if self.replicate else None, self._engine_now,
-            self.history)
+            self._replicator, self._engine_now, self.history)
         self._restorer = Restorer(self.memory, self.durable, self.replicate, self._ranks,
                                   self._engine_now)
         self._persister = None if self.persist_policy is None else Persister(
@@ -203,6 +206,8 @@ class CheckpointManager:
         handle = self._saver.start(step, plain(state), start, slot)
         if self._persister is not None:
             self._persister.after_save(handle)
+        if self._replicator is not None:
+            self._replicator.decide(handle)
         self._after.submit(self._saver.after_commit, handle, start, slot)
         self._handles.append(handle)
         if self._budget is not None:
@@ -266,6 +271,8 @@ class CheckpointManager:
         if self._persister is not None:
             self._persister.drain()
         self._after.submit(lambda: None).result()
+        if self._replicator is not None:
+            self._replicator.drain()
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -299,6 +306,8 @@ class CheckpointManager:
                 self._timing.remove()
             self._saver.close()
             self._after.shutdown(wait=True)
+            if self._replicator is not None:
+                self._replicator.close()
             if self._persister is not None:
                 self._persister.close()
             if self._slots is not None:

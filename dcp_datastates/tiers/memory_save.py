@@ -1,5 +1,5 @@
 """Saves into the memory tier: admission, the snapshot, DCP's one-process save, and what
-follows each commit (the slot, the figures, retention, the replica).
+follows each commit (the slot, the figures, retention, the replica's exchange).
 
 A save is admitted only if the tier has room for it (else :class:`TierFullError`, and nothing
 is written). Its snapshot runs on the engine's staging thread (into a slot of the tier on
@@ -24,10 +24,11 @@ from ..engine import Engine
 from ..sizes import format_size
 from ..snapshot import nbytes_of
 from ..writer import DataStatesWriter
-from . import local_dcp, replica
+from . import local_dcp
 from .handles import SaveFigures, SaveHandle, TierFullError, failed_handle
 from .plans import ReusingPlanner
 from .ranks import Ranks
+from .replicator import Replicator
 from .retention import Retention
 from .slots import NextSlot, Slot, SlotPool
 from .steps import TierRecord, committed, size_of, step_dir, steps
@@ -41,17 +42,18 @@ SLACK_BYTES = 1 << 20
 class MemorySaver:
     """Starts this rank's saves into its memory tier and settles them in save order.
 
-    ``limit``: bytes the tier may hold (None: what its file system has free); ``replicas``: the
-    ranks on the replicas' group (None: no replicas); ``history``: where the figures of the
+    ``limit``: bytes the tier may hold (None: what its file system has free); ``replicator``:
+    sends the steps to the peers (None: no replicas); ``history``: where the figures of the
     saves committed go.
     """
 
     def __init__(self, retention: Retention, limit: int | None, keep: int,
-                 slots: SlotPool | None, ranks: Ranks, replicas: Ranks | None,
+                 slots: SlotPool | None, ranks: Ranks, replicator: Replicator | None,
                  engine: Callable[[], Engine], history: deque[SaveFigures]) -> None:
         self.retention, self.memory = retention, retention.memory
         self.limit, self.keep, self.slots = limit, keep, slots
-        self.ranks, self.replicas, self.engine, self.history = ranks, replicas, engine, history
+        self.ranks, self.replicator = ranks, replicator
+        self.engine, self.history = engine, history
         # runs each save's DCP part, as dcp.async_save's thread would (so not "dcp_datastates-":
         # the writer ties a DCP save to the snapshot its thread took)
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager-upload")
@@ -150,7 +152,8 @@ class MemorySaver:
 
     def after_commit(self, handle: SaveHandle, start: float,
                      slot: Slot | NextSlot | None) -> None:
-        """In save order: the slot, the figures, the memory tier's retention, the replica."""
+        """In save order: the slot, the figures, the memory tier's retention, the replica's
+        exchange (on the replicator's thread)."""
         ok = handle.committed.exception() is None
         if slot is not None:
             self.slots.settle(slot, step_dir(self.memory, handle.step), ok)
@@ -158,18 +161,8 @@ class MemorySaver:
             handle.figures.memory_s = time.perf_counter() - start
             self.history.append(handle.figures)
             self.retention.retain(self.memory, self.keep)
-        if self.replicas is not None:
-            mine = step_dir(self.memory, handle.step) if ok else None
-            try:
-                with self.retention.reading(handle.step):
-                    got = replica.replicate_step(self.replicas.group, self.ranks.rank,
-                                                 self.ranks.world, self.memory, handle.step,
-                                                 mine)
-                handle.figures.replicated = True
-                if got is not None:
-                    self.retention.retain(got.parent, self.keep)
-            except Exception as exc:  # noqa: BLE001 - the copy in memory stands
-                log.error("dcp_datastates: replica of step %d failed: %s", handle.step, exc)
+        if self.replicator is not None:
+            self.replicator.committed(handle)
 
     def close(self) -> None:
         """Wait for the saves started, and stop the upload thread."""
