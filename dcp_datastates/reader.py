@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .arguments import checked_keywords
 from .engine import Engine, default_engine
 from .entries import check_locations
-from .errors import CheckpointError
 from .jobs.load import LoadJob
 from .metadata_file import METADATA_NAME, metadata_stamp, read_metadata
 from .mismatch import check_state_matches, planner_of
@@ -93,12 +92,7 @@ class DataStatesReader(StorageReader):
             raise RuntimeError("DataStatesReader: read_data came before set_up_storage_reader")
         job = LoadJob(self.engine, self._checkpoint_dir(), self.metadata, self.verify_checksums,
                       self.direct_io, self._stamp)
-        try:
-            self._stats = job.read(plan, planner)
-        except CheckpointError as exc:  # a checksum of bytes another checkpoint wrote
-            self._check_unchanged(exc)
-            raise
-        self._check_unchanged(None)
+        self._stats = job.read(plan, planner)
         self._stats.log()
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
@@ -125,18 +119,6 @@ class DataStatesReader(StorageReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-    def _check_unchanged(self, cause: BaseException | None) -> None:
-        """Raise CheckpointError where the ``.metadata`` read is gone or replaced now that the
-        reads are over: the checkpoint was removed or replaced meanwhile, and its data files
-        may hold another checkpoint's bytes (a memory-tier step that retention dropped has its
-        data file reused in place by a later step, once its ``.metadata`` is gone)."""
-        directory = self._checkpoint_dir()
-        if self._stamp is not None and metadata_stamp(directory) != self._stamp:
-            raise CheckpointError(
-                f"checkpoint {directory} was removed or replaced while this load read it (its "
-                f".metadata changed): what was read may be another checkpoint's, so the load "
-                f"fails; load it again, or another checkpoint") from cause
 
     def _checkpoint_dir(self) -> Path:
         if self.path is None:

@@ -131,14 +131,19 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
     return out
 
 
-def keep_still(sources: list[torch.Tensor]) -> None:
-    """Replace, in ``sources``, those a lazy copy cannot take at their values of the call by
-    copies made now: CPU tensors (the staging thread copies them while the caller goes on) and
-    inference tensors (no version counter tells of a write to them; copied on the current
-    stream, in the call's order). GPU tensors stay: their copies are lazy."""
+def keep_still(sources: list[torch.Tensor], skeleton: object) -> None:
+    """Replace, in ``sources`` (of ``walk``'s ``skeleton``), those a lazy copy cannot take at
+    their values of the call by copies made now: CPU tensors (the staging thread copies them
+    while the caller goes on) and inference tensors (no version counter tells of a write to
+    them; copied on the current stream, in the call's order). GPU tensors stay: their copies
+    are lazy. Raises TypeError naming a tensor torch cannot copy."""
     for i, t in enumerate(sources):
         if not t.is_cuda or t.is_inference():
-            sources[i] = t.clone(memory_format=torch.contiguous_format)
+            try:
+                sources[i] = t.clone(memory_format=torch.contiguous_format)
+            except (RuntimeError, NotImplementedError) as exc:
+                raise TypeError(f"{source_paths(skeleton).get(i, f'tensor {i}')!r}: a "
+                                f"{t.dtype} tensor torch cannot copy ({exc})") from exc
 
 
 def source_paths(skeleton: object) -> dict[int, str]:

@@ -185,7 +185,7 @@ def test_load_racing_an_overwrite_says_superseded(tmp_path: Path, make_engine) -
         dcp.save(new, checkpoint_id=tmp_path, no_dist=True,
                  storage_writer=DataStatesWriter(engine=engine, overwrite=True))
 
-    with pytest.raises(BaseException, match="replaced by a newer save while this load read it"):
+    with pytest.raises(BaseException, match="removed or replaced while this load read it"):
         dcp.load(clone_state(old), checkpoint_id=tmp_path, no_dist=True,
                  planner=_OverwritingPlanner(overwrite),
                  storage_reader=DataStatesReader(engine=engine))

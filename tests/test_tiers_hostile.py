@@ -316,14 +316,15 @@ def test_a_load_fails_where_its_step_is_dropped_and_its_slot_reused_meanwhile(
 
 def test_a_save_whose_planning_fails_holds_nothing_after_its_error(tiers: Tiers,
                                                                    engine: Engine) -> None:
-    """A state DCP cannot plan (a torch.uint1 tensor: its planner fails on the element size):
-    the handle raises that error, and the save holds nothing once it has (its snapshot, its
-    slot): close() right after raises nothing more and gives the tiers up, and the next
+    """A state that cannot be saved (a torch.uint1 tensor: torch cannot copy it, DCP's planner
+    fails on its element size): the handle raises the error naming it, and the save holds
+    nothing once it has (its snapshot, its slot): close() right after raises nothing more and
+    gives the tiers up, and the next
     manager on them saves and loads."""
     manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
                                 engine=engine)
     bad = manager.save(1, {"x": torch.zeros(8, dtype=torch.uint1), "y": torch.ones(3)})
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="'x': a torch.uint1 tensor torch cannot copy"):
         bad.result(timeout=30)
     manager.close()
     state = make_state(2)

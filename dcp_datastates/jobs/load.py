@@ -81,9 +81,15 @@ class LoadJob:
         self.engine.track(self)
         try:
             done = self._read_all(plan, planner)
+        except CheckpointError as exc:  # a file gone, or a checksum of another step's bytes
+            if (replaced := self._replaced()) is not None:
+                raise replaced from exc
+            raise
         finally:
             self.engine.untrack(self)
             self._over.set()
+        if (replaced := self._replaced()) is not None:
+            raise replaced
         for req, target, data in done:
             if target is None:
                 self.stats.bytes_read += len(data)
@@ -93,6 +99,18 @@ class LoadJob:
                 planner.commit_tensor(req, target)
         self.stats.seconds = time.perf_counter() - start
         return self.stats
+
+    def _replaced(self) -> CheckpointError | None:
+        """The error of a load whose ``.metadata`` is gone or replaced now that its reads are
+        over: the checkpoint was removed or replaced meanwhile, and its data files may hold
+        another checkpoint's bytes (a memory-tier step that retention dropped has its data
+        file reused in place by a later step, once its ``.metadata`` is gone)."""
+        if self.stamp is None or metadata_stamp(self.directory) == self.stamp:
+            return None
+        return CheckpointError(
+            f"checkpoint {self.directory} was removed or replaced while this load read it (its "
+            f".metadata changed): what was read may be another checkpoint's, so the load "
+            f"fails; load it again, or another checkpoint")
 
     def wait(self, deadline: float) -> None:
         """Block until the reads are over, or ``deadline`` (``time.monotonic``) passes."""
@@ -104,7 +122,7 @@ class LoadJob:
 
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> list[_Read]:
         """Read every item; return (item, target or None for bytes, bytes or None)."""
-        files = _OpenFiles(self.directory, self.direct_io, self.stamp)
+        files = _OpenFiles(self.directory, self.direct_io)
         backend = self.engine.io
         large: list[tuple[ReadItem, torch.Tensor | None, Future]] = []
         groups: list[Future] = []
@@ -363,10 +381,9 @@ class _File:
 class _OpenFiles:
     """Data files opened once per read, each header read once, sizes checked for each item."""
 
-    def __init__(self, directory: Path, direct: bool, stamp: tuple | None) -> None:
+    def __init__(self, directory: Path, direct: bool) -> None:
         self.directory = directory
         self.direct = direct
-        self.stamp = stamp
         self._files: dict[str, _File] = {}
 
     def open(self, loc: ItemLocation, req: ReadItem) -> _File:
@@ -388,11 +405,6 @@ class _OpenFiles:
         try:
             fd = open_regular(path)
         except FileNotFoundError:
-            if self._superseded():
-                raise CheckpointError(
-                    f"checkpoint {self.directory} was replaced by a newer save while this "
-                    f"load read it (its data file {loc.file} is gone); load it again"
-                ) from None
             raise CheckpointCorruptError(
                 f"{what} is missing (item {req.storage_index.fqn!r} lives there)") from None
         except OSError as exc:  # a directory, a FIFO, a link, unreadable, ...
@@ -412,10 +424,6 @@ class _OpenFiles:
                 direct_fd = None  # the file system refuses O_DIRECT: buffered reads only
         return _File(fd, size, direct_fd, data_start, header,
                      layout_mismatch(header, data_start, size))
-
-    def _superseded(self) -> bool:
-        """Whether a commit replaced the ``.metadata`` this load read."""
-        return self.stamp is not None and metadata_stamp(self.directory) != self.stamp
 
     def check_layouts(self) -> None:
         """Raise for the first open file whose entries do not tile its data to its end."""

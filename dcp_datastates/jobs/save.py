@@ -131,7 +131,7 @@ class SaveJob:
         dtensors: dict[int, DTensor] = {}
         try:
             skeleton = walk(state_dict, sources, {}, dtensors)
-            keep_still(sources)
+            keep_still(sources, skeleton)
             # an in-place op on a DTensor bumps its own version counter, not its local's
             self.writes = WriteWatch({i: dtensors.get(i, t) for i, t in enumerate(sources)
                                       if t.is_cuda})
