@@ -1,7 +1,8 @@
 """The engine's threads, each kind in a pool of its own so that no kind of work queues behind
 another: one staging thread (snapshots' copies issued in save order), one settle thread (waits
-for them to end), I/O threads, checksum threads (one per CPU core the process may run on) and
-verification threads (a persist's checks: a save's checksums never queue behind them)."""
+for them to end), I/O threads, checksum threads (one per CPU core the process may run on, shared
+among the ranks of the node that run there too) and verification threads (a persist's checks: a
+save's checksums never queue behind them)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class Executors:
         if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
             raise ValueError(f"io_workers must be an integer >= 1, got {io_workers!r}")
         self.io_workers = io_workers
-        self.hash_workers = max(io_workers, len(os.sched_getaffinity(0)))
+        self.hash_workers = max(io_workers, len(os.sched_getaffinity(0)) // _local_ranks())
         self.stage = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-stage")
         self.settle = settle or ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-settle")
         self.io = ThreadPoolExecutor(io_workers, thread_name_prefix="dcp_datastates-io")
@@ -30,3 +31,12 @@ class Executors:
         hands it copies to wait for)."""
         for pool in (self.stage, self.settle, self.io, self.hash, self.verify):
             pool.shutdown(wait=True)
+
+
+def _local_ranks() -> int:
+    """Processes of the job on this node, as torchrun or Open MPI tell (1 where neither)."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1

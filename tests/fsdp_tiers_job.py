@@ -2,7 +2,7 @@
 ``CheckpointManager`` (a memory tier per rank with peer replicas, and a durable tier), started
 by ``tests/test_gpu_replica_restart.py`` under torchrun. Not a test module.
 
-``run``: trains and saves every step; after each save every rank writes its local shards of
+``run``: trains and saves every step; before each save every rank writes its local shards of
 that step to ``<root>/expected/rank<r>_step<s>.pt``; once step ``KILL_AFTER`` is in memory and
 replicated on every rank, rank 0 prints ``KILL-ME`` and training goes on until the test kills
 the job. ``resume``: a new model and manager on the same directories load the newest step;
@@ -82,8 +82,9 @@ def run(root: Path, rank: int) -> None:
         for step in range(1, 10_000):
             train(model, opt, step)
             state = state_of(model, opt)
-            tiers.save(step, state).committed.result()
+            # before the save: the job may be killed as soon as the step is committed
             torch.save(shards(state), root / "expected" / f"rank{rank}_step{step}.pt")
+            tiers.save(step, state).committed.result()
             if step == KILL_AFTER:
                 tiers.wait()  # replicas of this step are on the peers too
                 dist.barrier()

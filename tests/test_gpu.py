@@ -275,6 +275,7 @@ def test_manager_snapshots_every_step_into_pinned_slots(tmp_path, engine_of) -> 
                 assert manager.load(out, step=step) == step
                 assert_same(out["model"], saved[step])
         assert engine.live_leases() == 0
-        assert sorted(p.name for p in memory.iterdir()) == ["step_5", "step_6"]
+        assert sorted(p.name for p in memory.iterdir() if p.name.startswith("step_")) == [
+            "step_5", "step_6"]
     finally:
         shutil.rmtree(memory, ignore_errors=True)

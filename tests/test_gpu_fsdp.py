@@ -127,6 +127,7 @@ def test_fsdp2_saves_as_dcp_idiom_and_loads_bit_exact(world: World, shared: Path
     slack = SLACK * sum(t.numel() * t.element_size() for t in saved.values())
     path = shared / "ckpt"
     errors: list[str] = []
+    warm_host_cache(state, shared / "warm")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -160,12 +161,20 @@ def test_fsdp2_saves_as_dcp_idiom_and_loads_bit_exact(world: World, shared: Path
     agree(errors, f"{world.size} -> {world.size} GPUs, every rank's shards bit for bit")
 
 
+def warm_host_cache(state: dict, path: Path) -> None:
+    """A save of ``state`` (then the host cache of the process's engine fits it): the first
+    save of a process copies its snapshot aside, on the GPU, while that cache is made."""
+    dcp.async_save(state, checkpoint_id=path, storage_writer=DataStatesWriter()) \
+        .upload_completion.result()
+
+
 def test_fsdp2_staged_state_stays_in_host_memory(world: World, shared: Path) -> None:
     """What DCP's planner gets from the writer: DTensors of the CUDA mesh whose local shards
     are in host memory, made with no GPU memory beyond the state's own."""
     model, opt = build(torch.float32, sharded=True)
     state = state_of(model, opt)
     errors: list[str] = []
+    warm_host_cache(state, shared / "warm")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

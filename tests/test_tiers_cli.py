@@ -223,7 +223,7 @@ _RANK_CHILD = textwrap.dedent(
                                 replicate=True, engine=engine)
     for step in (3, 5):
         manager.save(step, rank_state(rank, step))
-    manager.wait()  # committed in memory, and replicated to the peer
+        manager.wait()  # committed in memory, and replicated to the peer
     print("COMMITTED", flush=True)
     time.sleep(600)  # the test kills us
     """
