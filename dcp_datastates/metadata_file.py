@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import pickle
 import sys
@@ -147,6 +148,24 @@ _ALLOWED = {(c.__module__, c.__qualname__): c for c in _SAFE_GLOBALS} | {
 }
 
 
+#: The enum classes whose members the metadata may name with ``builtins.getattr``.
+_ENUMS = frozenset(c for c in _SAFE_GLOBALS if isinstance(c, type) and issubclass(c, enum.Enum))
+
+
+def _enum_member(cls: object, name: object) -> enum.Enum:
+    """``builtins.getattr`` as the metadata may use it: how CPython 3.11.0-3.11.2 pickle an
+    enum member (``getattr(cls, name)``). Only a member, by its name, of an allowed enum."""
+    member = None
+    if isinstance(cls, type) and cls in _ENUMS and type(name) is str:
+        member = cls.__members__.get(name)
+    if member is None:
+        what = cls.__qualname__ if isinstance(cls, type) else type(cls).__qualname__
+        raise pickle.UnpicklingError(
+            f"WeightsUnpickler error: builtins.getattr({what}, {name!r:.100}) is not allowed in "
+            f"checkpoint metadata (only a member of an allowed enum, by its name)")
+    return member
+
+
 class _FileSystemWriterCheckpoint(pickle.UnpicklingError):
     """The metadata holds DCP FileSystemWriter's item locations."""
 
@@ -157,6 +176,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
         if (module, name) == _FILESYSTEM_WRITER_LOCATION:
             raise _FileSystemWriterCheckpoint
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         allowed = _ALLOWED.get((module, name))
         if allowed is None and module == "torch" and isinstance(getattr(torch, name, None),
                                                                 torch.dtype):
