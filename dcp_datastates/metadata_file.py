@@ -1,17 +1,26 @@
-"""The checkpoint's `.metadata`: written last and atomically, read without running pickles."""
+"""The checkpoint's `.metadata`: written last and atomically, read without running pickles.
+
+The file is a pickle of DCP's ``Metadata`` followed by a seal: a magic and the XXH3-64 of
+everything before the digest, so that any damage to the file is seen before it is unpickled.
+``pickle.load`` stops where the pickle ends, so other readers ignore the seal. Files written
+before the seal existed have none; they are read as they are.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import io
 import os
 import pickle
+import struct
 import sys
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
@@ -188,6 +197,31 @@ class _MetadataUnpickler(pickle.Unpickler):
         return allowed
 
 
+#: The seal after the pickle: a magic, then the XXH3-64 of the pickle and the magic.
+_SEAL_MAGIC = b"DS-XXH3:"
+_DIGEST = struct.Struct("<Q")
+
+
+def sealed(data: bytes) -> bytes:
+    """The bytes of ``.metadata`` for the pickle ``data``: ``data`` and its seal."""
+    head = data + _SEAL_MAGIC
+    return head + _DIGEST.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def _unsealed(data: bytes, path: Path) -> bytes:
+    """The pickle in ``.metadata``'s bytes ``data``, its seal checked (a file without one, from
+    before seals, is returned whole)."""
+    cut = len(data) - _DIGEST.size
+    if cut < len(_SEAL_MAGIC) or data[cut - len(_SEAL_MAGIC):cut] != _SEAL_MAGIC:
+        return data
+    (digest,) = _DIGEST.unpack(data[cut:])
+    if xxhash.xxh3_64_intdigest(data[:cut]) != digest:
+        raise CheckpointCorruptError(
+            f"{path}: checksum mismatch: the file is damaged (its XXH3-64 seal does not match "
+            f"its {len(data)} bytes)")
+    return data[:cut - len(_SEAL_MAGIC)]
+
+
 def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
     """Write ``directory/.metadata`` atomically: a temp name unique to the save (``token``),
     fsync, rename, fsync the directory."""
@@ -196,7 +230,7 @@ def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
     data = pickle.dumps(_Sealed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
     final = directory / METADATA_NAME
     tmp = directory / f"{METADATA_NAME}.tmp.{token}"
-    write_new(tmp, final, [data])
+    write_new(tmp, final, [sealed(data)])
     fsync_dir(directory)
 
 
@@ -222,13 +256,14 @@ def read_metadata(directory: Path) -> Metadata:
         raise CheckpointCorruptError(f"{path} {exc.strerror}") from None
     try:
         with open(fd, "rb") as f:
-            head = f.read(2)
-            f.seek(0)
-            if head == b"PK":  # written by torch.save (dcp_datastates 0.1.0)
-                with torch.serialization.safe_globals(_SAFE_GLOBALS):
-                    metadata = torch.load(f, weights_only=True)
-            else:
-                metadata = _MetadataUnpickler(f).load()
+            data = f.read()
+        if data[:2] == b"PK":  # written by torch.save (dcp_datastates 0.1.0)
+            with torch.serialization.safe_globals(_SAFE_GLOBALS):
+                metadata = torch.load(io.BytesIO(data), weights_only=True)
+        else:
+            metadata = _unpickle(_unsealed(data, path))
+    except CheckpointCorruptError:
+        raise
     except _FileSystemWriterCheckpoint:
         raise CheckpointError(
             f"{directory} is a DCP FileSystemWriter checkpoint (dcp.save without a "
@@ -247,6 +282,15 @@ def read_metadata(directory: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
     return metadata
+
+
+def _unpickle(data: bytes) -> object:
+    """The object pickled in ``data``, which must end where the pickle does."""
+    stream = io.BytesIO(data)
+    obj = _MetadataUnpickler(stream).load()
+    if stream.tell() != len(data):
+        raise pickle.UnpicklingError(f"{len(data) - stream.tell()} bytes after the pickle's end")
+    return obj
 
 
 def metadata_stamp(directory: Path) -> tuple[int, int, int] | None:

@@ -1,10 +1,11 @@
-""".metadata as files hold it: enum members pickled the way CPython 3.11.0-3.11.2 pickle
-them."""
+""".metadata as files hold it: enum members pickled the way CPython 3.11.0-3.11.2 pickle them,
+and a seal that makes every damaged byte visible."""
 
 from __future__ import annotations
 
 import enum
 import io
+import os
 import pickle
 import pickletools
 from pathlib import Path
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_datastates import CheckpointCorruptError, Engine, cli
 from dcp_datastates.metadata_file import (
     read_metadata,
+    sealed,
     written_by_datastates,
 )
 
@@ -80,15 +82,16 @@ def _calls_getattr(data: bytes) -> bool:
 
 
 # -- CPython 3.11.0-3.11.2 -----------------------------------------------------------------------
-def test_metadata_pickled_by_python_3_11_2_loads(checkpoint, capsys) -> None:
+@pytest.mark.parametrize("seal", ["sealed", "written before seals"])
+def test_metadata_pickled_by_python_3_11_2_loads(checkpoint, capsys, seal: str) -> None:
     """Every tensor's memory format is an enum member, which 3.11.0-3.11.2 pickle as
     ``builtins.getattr(_MEM_FORMAT_ENCODING, 'TORCH_CONTIGUOUS_FORMAT')``: such a ``.metadata``
-    (as this package writes it there) loads and verifies."""
+    (as this package writes it there, or as it wrote it before seals) loads and verifies."""
     directory, expected = checkpoint
     metadata = read_metadata(directory)
     data = _as_3112(_Call(written_by_datastates, metadata))
     assert _calls_getattr(data), "the pickle should hold builtins.getattr as 3.11.2's does"
-    (directory / ".metadata").write_bytes(data)
+    (directory / ".metadata").write_bytes(sealed(data) if seal == "sealed" else data)
     assert read_metadata(directory) == metadata
     assert_state_equal(load_into(expected, directory), expected)
     code, out = _verify(capsys, directory)
@@ -119,9 +122,31 @@ def test_getattr_of_anything_else_is_refused(checkpoint, call, refused: str) -> 
     directory, _ = checkpoint
     obj = call()
     data = obj if isinstance(obj, bytes) else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    (directory / ".metadata").write_bytes(data)
+    (directory / ".metadata").write_bytes(sealed(data))
     with pytest.raises(CheckpointCorruptError) as info:
         read_metadata(directory)
     assert str(info.value).startswith(f"{directory / '.metadata'}: cannot read checkpoint "
                                       f"metadata ("), info.value
     assert refused in str(info.value)
+
+
+# -- every damaged byte is seen ------------------------------------------------------------------
+def test_every_bit_flip_of_metadata_is_refused(checkpoint) -> None:
+    """Each single-bit flip of ``.metadata`` is refused as it is read (by a load and by
+    ``verify`` alike): none unpickles into metadata that verifies but does not load."""
+    directory, expected = checkpoint
+    path = directory / ".metadata"
+    good = path.read_bytes()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for at in range(len(good)):
+            for bit in range(8):
+                os.pwrite(fd, bytes([good[at] ^ 1 << bit]), at)
+                with pytest.raises(CheckpointCorruptError, match=r"\.metadata: ") as info:
+                    read_metadata(directory)
+                assert str(path) in str(info.value), (at, bit)
+            os.pwrite(fd, good[at:at + 1], at)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == good
+    assert_state_equal(load_into(expected, directory), expected)
