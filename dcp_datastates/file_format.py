@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -321,6 +322,22 @@ def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, 
 
 #: Bytes per element of each safetensors dtype this package writes.
 _DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def bounded_numel(shape: Sequence[int], limit: int) -> int | None:
+    """The product of ``shape`` (non-negative ints), or None where it exceeds ``limit``: found
+    without ever multiplying numbers larger than ``limit``, so that sizes read from a file
+    cost no more than their count, however large they are."""
+    if 0 in shape:
+        return 0
+    numel = 1
+    for d in shape:
+        if d > limit:
+            return None
+        numel *= d
+        if numel > limit:
+            return None
+    return numel
 
 
 def _entry_problem(entry: dict, offsets: list[int]) -> str | None:

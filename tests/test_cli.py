@@ -371,26 +371,28 @@ def _tamper_chunks(directory: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize(("how", "why"), [
-    ("smaller", "chunk at [0] of shape [8] lies outside the tensor's shape [4]"),
-    ("larger", "chunks cover 8 of its 16 elements"),
-    ("rank", "chunk at [0] of shape [8] lies outside the tensor's shape [8, 1]"),
-    ("overlap", "chunks at [0] and [2] overlap"),
+    ("smaller", ": item 'a': chunk at [0] of shape [8] lies outside the tensor's shape [4]"),
+    ("larger", ": item 'a': chunks cover 8 of its 16 elements"),
+    ("rank", "/.metadata: item 'a', chunk 0: its offsets torch.Size([0]) have 1 dimension(s) "
+             "where the tensor has 2"),
+    ("overlap", ": item 'a': chunks at [0] and [2] overlap"),
 ])
 def test_chunks_that_do_not_tile_the_tensor(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, why: str
 ) -> None:
-    """A ``.metadata`` whose chunks do not tile a tensor's global shape: ``verify`` names it;
+    """A ``.metadata`` whose chunks do not tile a tensor's global shape: ``verify`` names it
+    (a chunk with another number of dimensions than its tensor: as ``.metadata`` is read);
     ``export`` refuses it with an error (no traceback, no uninitialized memory exported)."""
     directory = _save({"a": torch.arange(8.0), "p": torch.arange(4.0),
                        "q": torch.arange(4.0) + 10}, tmp_path / "ckpt")
     _tamper_chunks(directory, how)
     code, _, err = _main(capsys, "verify", "-q", str(directory))
     assert code == 1
-    assert f"item 'a': {why}" in err, err
+    assert f"{directory}{why}" in err, err
     res = _run("export", "-q", str(directory), str(tmp_path / "hf"))
     assert res.returncode == 1, res.stdout
     assert "Traceback" not in res.stderr
-    assert f"error: {directory}: item 'a': {why}" in res.stderr, res.stderr
+    assert f"error: {directory}{why}" in res.stderr, res.stderr
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 

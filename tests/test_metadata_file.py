@@ -1,5 +1,5 @@
 """.metadata as files hold it: enum members pickled the way CPython 3.11.0-3.11.2 pickle them,
-and a seal that makes every damaged byte visible."""
+a seal that makes every damaged byte visible, and items and locations a load could not use."""
 
 from __future__ import annotations
 
@@ -8,20 +8,25 @@ import io
 import os
 import pickle
 import pickletools
+import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, assert_state_equal, clone_state, load_into, save
+from conftest import MARKS, assert_state_equal, clone_state, load_into, raises_in_dcp, save
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
+    MetadataIndex,
     TensorProperties,
 )
 
 from dcp_datastates import CheckpointCorruptError, Engine, cli
+from dcp_datastates.entries import check_locations
 from dcp_datastates.metadata_file import (
     read_metadata,
     sealed,
+    write_metadata,
     written_by_datastates,
 )
 
@@ -143,10 +148,119 @@ def test_every_bit_flip_of_metadata_is_refused(checkpoint) -> None:
             for bit in range(8):
                 os.pwrite(fd, bytes([good[at] ^ 1 << bit]), at)
                 with pytest.raises(CheckpointCorruptError, match=r"\.metadata: ") as info:
-                    read_metadata(directory)
+                    check_locations(directory, read_metadata(directory))
                 assert str(path) in str(info.value), (at, bit)
             os.pwrite(fd, good[at:at + 1], at)
     finally:
         os.close(fd)
     assert path.read_bytes() == good
     assert_state_equal(load_into(expected, directory), expected)
+
+
+def test_what_verify_accepts_loads(checkpoint, capsys) -> None:
+    """A tensor's location keyed without its chunk's offsets (what one bit flip once made of
+    a ``.metadata`` that verified, then failed to load with "no location"): verify refuses it
+    as the load does, naming the item."""
+    directory, expected = checkpoint
+    metadata = read_metadata(directory)
+    metadata.storage_data = {MetadataIndex(i.fqn) if i.fqn == "b" else i: loc
+                             for i, loc in metadata.storage_data.items()}
+    write_metadata(directory, metadata, "0123456789abcdef")
+    why = (f"{directory / '.metadata'}: a location names item 'b', which the metadata does not "
+           f"hold")
+    code, out = _verify(capsys, directory)
+    assert code == 1 and f"error: {why}" in out, out
+    with raises_in_dcp(CheckpointCorruptError, why):
+        load_into(expected, directory)
+
+
+def _drop(obj: object, name: str) -> None:
+    object.__delattr__(obj, name)  # frozen dataclasses too
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # frozen dataclasses too
+
+
+def _b(md) -> object:
+    return next(i for i in md.storage_data if i.fqn == "b")
+
+
+_MALFORMED = {
+    "no state_dict_metadata": (lambda md: _drop(md, "state_dict_metadata"),
+                               "no field 'state_dict_metadata'"),
+    "properties None": (lambda md: _set(md.state_dict_metadata["w"], "properties", None),
+                        "item 'w': properties is a NoneType, not TensorProperties"),
+    "dtype a str": (lambda md: _set(md.state_dict_metadata["w"].properties, "dtype", "f4"),
+                    "item 'w', properties: dtype is a str, not a torch.dtype"),
+    "chunk sizes a str": (lambda md: _set(md.state_dict_metadata["w"].chunks[0], "sizes", "23"),
+                          "item 'w', chunk 0: sizes is a str, not a tuple"),
+    "chunk an int": (lambda md: _set(md.state_dict_metadata["w"], "chunks", [5]),
+                     "item 'w', chunk 0 is a int, not a ChunkStorageMetadata"),
+    "item an int": (lambda md: md.state_dict_metadata.update(w=5),
+                    "item 'w' is a int, not a tensor or bytes item"),
+    "fqn a Size": (lambda md: _set(_b(md), "fqn", torch.Size([1])),
+                   "a location's key is MetadataIndex(fqn=torch.Size([1])"),
+    "no length": (lambda md: _drop(md.storage_data[_b(md)], "length"),
+                  "item 'b' has an invalid location (file '__0_"),
+}
+
+
+@pytest.mark.parametrize("how", list(_MALFORMED))
+def test_malformed_metadata_is_refused_naming_the_file(checkpoint, capsys, make_engine,
+                                                       how: str) -> None:
+    """Objects of the allowed classes with fields a load cannot use (missing, of another
+    kind): every command and a load refuse them, naming the file and the field, without a
+    traceback."""
+    directory, expected = checkpoint
+    metadata = read_metadata(directory)
+    tamper, why = _MALFORMED[how]
+    tamper(metadata)
+    write_metadata(directory, metadata, "0123456789abcdef")
+    engine = make_engine(host_cache_size="16MiB", io_backend="threads")
+    for args in (["inspect"], ["verify", "-q"], ["export", "-q"]):
+        out_dir = [str(directory.parent / "hf")] if args[0] == "export" else []
+        code = cli.main([*args, str(directory), *out_dir], engine=engine)
+        err = capsys.readouterr().err
+        assert code == 1 and err.startswith(f"error: {directory / '.metadata'}: "), (args, err)
+        assert why in err, (args, err)
+    with raises_in_dcp(CheckpointCorruptError, re.escape(why)):
+        load_into(expected, directory, engine=engine)
+
+
+_HUGE = 2**4000  # 1205 digits
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("size", _HUGE, "item 'w': its size (2, 3, 13182"),
+    ("sizes", _HUGE, "item 'w', chunk 0: its sizes (2, 3, 13182"),
+    ("offsets", _HUGE, "item 'w', chunk 0: its offsets (0, 0, 13182"),
+    ("size", 2**62, "item 'w': its size (2, 3, 4611686018427387904"),
+], ids=["size", "chunk sizes", "chunk offsets", "size within 64 bits"])
+def test_huge_sizes_in_metadata_fail_at_once(checkpoint, capsys, make_engine, field: str,
+                                             value: int, why: str) -> None:
+    """Sizes of a thousand digits (or each within 64 bits, but not their product), in
+    thousands of dimensions: refused as ``.metadata`` is read, within a second, naming the
+    file, the item and the field, before any arithmetic with them (their product alone would
+    take hours)."""
+    directory, expected = checkpoint
+    metadata = read_metadata(directory)
+    w = metadata.state_dict_metadata["w"]
+    (chunk,) = w.chunks
+    more = {"size": 1, "offsets": 0, "sizes": 1} | {field: value}
+    _set(w, "size", (*w.size, *(more["size"],) * 2000))
+    for name in ("offsets", "sizes"):
+        _set(chunk, name, (*getattr(chunk, name), *(more[name],) * 2000))
+    write_metadata(directory, metadata, "0123456789abcdef")
+    engine = make_engine(host_cache_size="16MiB", io_backend="threads")
+    for args in (["inspect"], ["verify", "-q"], ["export", "-q"]):
+        out_dir = [str(directory.parent / "hf")] if args[0] == "export" else []
+        start = time.monotonic()
+        code = cli.main([*args, str(directory), *out_dir], engine=engine)
+        assert time.monotonic() - start < 1.0, args
+        err = capsys.readouterr().err
+        assert code == 1 and err.startswith(f"error: {directory / '.metadata'}: {why}"), err
+    start = time.monotonic()
+    with raises_in_dcp(CheckpointCorruptError, re.escape(why)):
+        load_into(expected, directory, engine=engine)
+    assert time.monotonic() - start < 1.0
