@@ -12,7 +12,6 @@ header's ``__metadata__`` under ``raw_items``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from collections.abc import Sequence
@@ -344,13 +343,15 @@ def _entry_problem(entry: dict, offsets: list[int]) -> str | None:
     """What makes a header entry one safetensors refuses (its offsets are checked already)."""
     dtype, shape = entry.get("dtype"), entry.get("shape")
     if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
-        return f"has dtype {dtype!r}, not a safetensors dtype this package writes"
+        return f"has dtype {dtype!r:.100}, not a safetensors dtype this package writes"
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        return f"has shape {shape!r}, not a list of sizes"
-    nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
-    if nbytes != offsets[1] - offsets[0]:
-        return (f"has {offsets[1] - offsets[0]} data bytes where its dtype {dtype} and shape "
-                f"{shape} make {nbytes}")
+        return f"has shape {shape!r:.200}, not a list of sizes"
+    nbytes, size = offsets[1] - offsets[0], _DTYPE_BYTES[dtype]
+    numel = bounded_numel(shape, nbytes // size)
+    if numel is None or numel * size != nbytes:
+        made = "more than that" if numel is None else numel * size
+        return (f"has {nbytes} data bytes where its dtype {dtype} and shape {shape!r:.200} "
+                f"make {made}")
     return None
 
 
