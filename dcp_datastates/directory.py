@@ -126,11 +126,12 @@ def remove_unreferenced(directory: Path, keep: set[str]) -> bool:
     return bool(stale)
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a directory's entries (new, renamed or removed files) durable."""
+def fsync_dir(directory: Path, fsync: Callable[[int], None] = os.fsync) -> None:
+    """Make a directory's entries (new, renamed or removed files) durable (``fsync`` syncs
+    the descriptor)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fsync(fd)
     finally:
         os.close(fd)
 

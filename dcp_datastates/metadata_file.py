@@ -15,6 +15,7 @@ import os
 import pickle
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
@@ -222,16 +223,27 @@ def _unsealed(data: bytes, path: Path) -> bytes:
     return data[:cut - len(_SEAL_MAGIC)]
 
 
-def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
+def write_metadata(directory: Path, metadata: Metadata, token: str,
+                   fsync: Callable[[int], None] = os.fsync) -> None:
     """Write ``directory/.metadata`` atomically: a temp name unique to the save (``token``),
-    fsync, rename, fsync the directory."""
+    fsync, rename, fsync the directory (``fsync`` syncs a descriptor; tests inject faults).
+
+    Where only the last fsync fails, the new checkpoint is in place: the ``OSError`` says so."""
     if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
         metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
     data = pickle.dumps(_Sealed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
     final = directory / METADATA_NAME
     tmp = directory / f"{METADATA_NAME}.tmp.{token}"
-    write_new(tmp, final, [sealed(data)])
-    fsync_dir(directory)
+    write_new(tmp, final, [sealed(data)], fsync)
+    try:
+        fsync_dir(directory, fsync)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"{directory}: the new checkpoint is committed ({METADATA_NAME} is in place and "
+            f"loads; it replaced any earlier one there), but syncing the directory failed "
+            f"({exc.strerror}): a crash of the machine before the file system writes it back "
+            f"may lose it") from exc
 
 
 def _no_metadata(directory: Path) -> OSError:

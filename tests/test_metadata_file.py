@@ -1,14 +1,17 @@
 """.metadata as files hold it: enum members pickled the way CPython 3.11.0-3.11.2 pickle them,
-a seal that makes every damaged byte visible, and items and locations a load could not use."""
+a seal that makes every damaged byte visible, items and locations a load could not use, and a
+commit whose directory sync fails."""
 
 from __future__ import annotations
 
 import enum
+import errno
 import io
 import os
 import pickle
 import pickletools
 import re
+import stat
 import time
 from pathlib import Path
 
@@ -264,3 +267,31 @@ def test_huge_sizes_in_metadata_fail_at_once(checkpoint, capsys, make_engine, fi
     with raises_in_dcp(CheckpointCorruptError, re.escape(why)):
         load_into(expected, directory, engine=engine)
     assert time.monotonic() - start < 1.0
+
+
+# -- the commit's last sync ----------------------------------------------------------------------
+def test_a_failed_directory_sync_after_the_rename_says_the_checkpoint_is_in_place(
+    checkpoint,
+) -> None:
+    """The rename is done, so the new checkpoint is there (and loads): the error says so,
+    rather than that the save failed and left the previous one."""
+    directory, expected = checkpoint
+    metadata = read_metadata(directory)
+    metadata.storage_meta.save_id = "fedcba9876543210"
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        os.fsync(fd)
+
+    with pytest.raises(OSError) as info:
+        write_metadata(directory, metadata, "fedcba9876543210", fsync=fsync)
+    assert info.value.errno == errno.EIO
+    assert str(info.value) == (
+        f"[Errno 5] {directory}: the new checkpoint is committed (.metadata is in place and "
+        f"loads; it replaced any earlier one there), but syncing the directory failed "
+        f"(Input/output error (injected)): a crash of the machine before the file system "
+        f"writes it back may lose it")
+    assert read_metadata(directory).storage_meta.save_id == "fedcba9876543210"
+    assert not list(directory.glob(".metadata.tmp.*"))
+    assert_state_equal(load_into(expected, directory), expected)
