@@ -193,6 +193,21 @@ def test_uncommitted_and_damaged_steps_are_refused(tiers: Tiers, engine: Engine,
     assert_state_equal(load_into(one_step, tiers.durable / "step_5"), one_step)
 
 
+def test_a_persist_resumed_after_a_kill_in_its_commit_leaves_no_temporary(
+        tiers: Tiers, engine: Engine, one_step: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """A persist killed while it wrote the step's ``.metadata`` leaves a
+    ``.metadata.tmp.<token>``: the persist that resumes it removes it once it has committed."""
+    target = tiers.durable / "step_5"
+    target.mkdir(parents=True)
+    (target / ".metadata.tmp.0123456789abcdef").write_bytes(b"a commit that was killed")
+    code, out, err = persist(capsys, engine, tiers.memory, tiers.durable)
+    assert code == 0 and out.startswith("persisted step 5 "), err
+    (data,) = data_files(target)
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        [".dcp_datastates.lock", ".metadata", data.name])
+    assert_state_equal(load_into(one_step, target), one_step)
+
+
 def test_persist_into_a_torchtitan_folder(tiers: Tiers, engine: Engine, one_step: dict,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """A durable tier that names its steps as torchtitan does (set up by the torchtitan
