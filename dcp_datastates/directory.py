@@ -33,6 +33,9 @@ DATA_FILE_RE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
 _REPLACED_RE = re.compile(
     r"^__\d+_[0-9a-f]+\.safetensors$|^__\d+_\d+\.distcp$|^\.metadata\.tmp\.[0-9a-f]+$")
 
+#: A URL's scheme: ``s3://``, ``gs://``, ``file://``, ...
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
 _FS_NAMES = {
     0x01021994: "tmpfs", 0x858458F6: "ramfs", 0xEF53: "ext4", 0x58465342: "xfs",
     0x9123683E: "btrfs", 0x6969: "nfs", 0x794C7630: "overlayfs", 0x0BD00BD0: "lustre",
@@ -40,6 +43,22 @@ _FS_NAMES = {
 }
 _MEMORY_FS = {0x01021994, 0x858458F6}
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def is_url(value: str | os.PathLike) -> bool:
+    """Whether a checkpoint directory given as ``value`` is a URL (``s3://bucket/ckpt``)."""
+    return isinstance(value, str) and _URL_RE.match(value) is not None
+
+
+def checkpoint_path(value: str | os.PathLike) -> Path:
+    """The checkpoint directory ``value`` names, ``~`` expanded. A URL is refused
+    (``ValueError``): as a path it would name a local directory such as ``s3:``."""
+    if is_url(value):
+        raise ValueError(
+            f"checkpoint directory {value!r} is a URL: dcp_datastates saves to and loads from "
+            f"a file system path (local or mounted); give a path, e.g. where the object store "
+            f"is mounted")
+    return Path(os.path.expanduser(value))
 
 
 def fs_magic(directory: Path) -> int | None:
