@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -607,6 +609,35 @@ def test_export_writes_through_temporary_names(ckpt: Path, tmp_path: Path,
     assert (tmp_path / "mine").read_bytes() == b"keep me"
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     _assert_exported([out / "model.safetensors"], _state()["model"])
+
+
+def test_export_checks_a_declared_4_tib_tensor_before_allocating_it(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``.metadata`` that declares a 4 TiB tensor its data file does not hold: refused at
+    once, naming the file and the item, before any memory is allocated or anything written."""
+    bad = _copy(ckpt, tmp_path / "bad")
+    md = read_metadata(bad)
+    w = md.state_dict_metadata["model.w"]
+    (chunk,) = w.chunks
+    size = torch.Size([1 << 20, 1 << 20])
+    w.size = size
+    w.chunks = [dataclasses.replace(chunk, sizes=size)]
+    index = next(i for i in md.storage_data if i.fqn == "model.w")
+    loc = md.storage_data[index]
+    length = 4 << 40
+    md.storage_data[index] = dataclasses.replace(
+        loc, length=length, checksums=(0,) * -(-length // loc.block))
+    write_metadata(bad, md, "0123456789abcdef")
+    out = tmp_path / "hf"
+    start = time.monotonic()
+    code, _, err = _main(capsys, "export", "-q", str(bad), str(out), "--prefix", "model.")
+    assert time.monotonic() - start < 1.0
+    assert code == 1
+    assert err == (f"error: {bad}: file {loc.file}, item 'model.w' (chunk at [0, 0]): truncated: "
+                   f"needs file bytes {loc.offset}..{loc.offset + length}, the data file has "
+                   f"{(bad / loc.file).stat().st_size}\n")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("what", ["a file", "under a file"])

@@ -24,6 +24,7 @@ from ..sizes import format_size, parse_size
 from .arguments import add_command, add_quiet, cli_path, command_engine
 from .checkpoint import (
     Chunk,
+    chunk_spec,
     dtype_name,
     file_size,
     load_checkpoint,
@@ -121,15 +122,23 @@ def _select(md: Metadata, prefix: str) -> dict[str, str]:
     return selected
 
 
-def _check_data_files(path: Path, chunks: list[Chunk]) -> None:
-    """Refuse, naming a chunk there, a data file that is missing or not a regular file."""
-    seen: set[str] = set()
+def _check_chunks(path: Path, md: Metadata, chunks: list[Chunk]) -> None:
+    """Refuse, naming it, a chunk whose bytes ``.metadata`` does not describe as its shape's,
+    or whose data file is missing, not a regular file or too short for it: before any tensor
+    is allocated (a shape declared in ``.metadata`` is no reason to allocate it)."""
+    sizes: dict[str, int] = {}
     for c in chunks:
-        if c.loc.file not in seen:
-            seen.add(c.loc.file)
-            _, problem = file_size(path / c.loc.file)
+        chunk_spec(path, md, c)
+        if c.loc.file not in sizes:
+            size, problem = file_size(path / c.loc.file)
             if problem is not None:
                 raise CheckpointCorruptError(f"{path}: {where(c)}: the data file {problem}")
+            sizes[c.loc.file] = size
+        end = c.loc.offset + c.loc.length
+        if end > sizes[c.loc.file]:
+            raise CheckpointCorruptError(
+                f"{path}: {where(c)}: truncated: needs file bytes {c.loc.offset}..{end}, the "
+                f"data file has {sizes[c.loc.file]}")
 
 
 def _specs(md: Metadata, fqns: dict[str, str]) -> dict[str, ItemSpec]:
@@ -172,7 +181,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 1
     if problems := tiling_problems(path, md, fqns.values()):
         raise CheckpointCorruptError("\n  ".join(problems))
-    _check_data_files(path, [c for fqn in fqns.values() for c in chunks.get(fqn, [])])
+    _check_chunks(path, md, [c for fqn in fqns.values() for c in chunks.get(fqn, [])])
     specs = _specs(md, fqns)
     total = sum(spec.nbytes for spec in specs.values())
     with OutputDir(out_path) as out:
