@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, brief
 from .file_format import ItemSpec, bounded_numel
 from .metadata_file import METADATA_NAME, ItemLocation
 
@@ -67,7 +67,8 @@ def check_locations(directory: Path, metadata: Metadata) -> None:
     expected: set[MetadataIndex] = set()
     for fqn, md in state.items():
         if type(fqn) is not str:
-            raise CheckpointCorruptError(f"{path}: an item is named {fqn!r:.100}, not a string")
+            raise CheckpointCorruptError(
+                f"{path}: an item is named {brief(fqn, 100)}, not a string")
         if isinstance(md, TensorStorageMetadata):
             expected.update(MetadataIndex(fqn, c.offsets) for c in _chunks(md, path, fqn))
         elif isinstance(md, BytesStorageMetadata):
@@ -105,13 +106,13 @@ def _sizes(values: tuple, ndim: int | None, path: Path, what: str, name: str) ->
     """Field ``name`` of ``what``: ``ndim`` (if given) ints of 0..``MAX_ELEMENTS``, and, for
     sizes, their product too."""
     if ndim is not None and len(values) != ndim:
-        raise CheckpointCorruptError(f"{path}: {what}: its {name} {values!r:.200} have "
+        raise CheckpointCorruptError(f"{path}: {what}: its {name} {brief(values)} have "
                                      f"{len(values)} dimension(s) where the tensor has {ndim}")
     if not all(type(v) is int and 0 <= v <= MAX_ELEMENTS for v in values):
-        raise CheckpointCorruptError(f"{path}: {what}: its {name} {values!r:.200} are not all "
+        raise CheckpointCorruptError(f"{path}: {what}: its {name} {brief(values)} are not all "
                                      f"integers of 0..{MAX_ELEMENTS}")
     if name != "offsets" and bounded_numel(values, MAX_ELEMENTS) is None:
-        raise CheckpointCorruptError(f"{path}: {what}: its {name} {values!r:.200} make more "
+        raise CheckpointCorruptError(f"{path}: {what}: its {name} {brief(values)} make more "
                                      f"than {MAX_ELEMENTS} elements")
     return values
 
@@ -140,9 +141,9 @@ def _check_location(path: Path, index: object, loc: object,
     """Reject a location of no stored item, or one that makes no sense."""
     if not isinstance(index, MetadataIndex) or type(index.fqn) is not str or not (
             index.index is None or type(index.index) is int):
-        raise CheckpointCorruptError(f"{path}: a location's key is {index!r:.200}, not an item")
+        raise CheckpointCorruptError(f"{path}: a location's key is {brief(index)}, not an item")
     if index not in expected:
-        at = "" if index.offset is None else f" at offsets {list(index.offset)!r:.200}"
+        at = "" if index.offset is None else f" at offsets {brief(index.offset)}"
         raise CheckpointCorruptError(f"{path}: a location names item {index.fqn!r}{at}, "
                                      f"which the metadata does not hold")
     if not isinstance(loc, ItemLocation):
@@ -159,8 +160,8 @@ def _check_location(path: Path, index: object, loc: object,
         block > 0)
     if not name_ok or not numbers_ok:
         raise CheckpointCorruptError(
-            f"{path}: item {index.fqn!r} has an invalid location (file {file!r:.100}, offset "
-            f"{offset!r:.40}, length {length!r:.40}, block {block!r:.40})")
+            f"{path}: item {index.fqn!r} has an invalid location (file {brief(file, 100)}, "
+            f"offset {brief(offset)}, length {brief(length)}, block {brief(block)})")
     need = max(1, -(-length // block))
     if (
         not isinstance(checksums, (tuple, list))

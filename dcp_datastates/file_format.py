@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from .align import ALIGN
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, brief
 
 FORMAT_NAME = "dcp_datastates"
 FORMAT_VERSION = "1"
@@ -343,14 +343,14 @@ def _entry_problem(entry: dict, offsets: list[int]) -> str | None:
     """What makes a header entry one safetensors refuses (its offsets are checked already)."""
     dtype, shape = entry.get("dtype"), entry.get("shape")
     if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
-        return f"has dtype {dtype!r:.100}, not a safetensors dtype this package writes"
+        return f"has dtype {brief(dtype, 100)}, not a safetensors dtype this package writes"
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        return f"has shape {shape!r:.200}, not a list of sizes"
+        return f"has shape {brief(shape)}, not a list of sizes"
     nbytes, size = offsets[1] - offsets[0], _DTYPE_BYTES[dtype]
     numel = bounded_numel(shape, nbytes // size)
     if numel is None or numel * size != nbytes:
         made = "more than that" if numel is None else numel * size
-        return (f"has {nbytes} data bytes where its dtype {dtype} and shape {shape!r:.200} "
+        return (f"has {nbytes} data bytes where its dtype {dtype} and shape {brief(shape)} "
                 f"make {made}")
     return None
 

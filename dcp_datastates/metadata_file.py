@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .directory import fsync_dir, open_regular, write_new
-from .errors import CheckpointCorruptError, CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, brief
 
 METADATA_NAME = ".metadata"
 
@@ -171,8 +171,8 @@ def _enum_member(cls: object, name: object) -> enum.Enum:
     if member is None:
         what = cls.__qualname__ if isinstance(cls, type) else type(cls).__qualname__
         raise pickle.UnpicklingError(
-            f"WeightsUnpickler error: builtins.getattr({what}, {name!r:.100}) is not allowed in "
-            f"checkpoint metadata (only a member of an allowed enum, by its name)")
+            f"WeightsUnpickler error: builtins.getattr({what}, {brief(name, 100)}) is not allowed "
+            f"in checkpoint metadata (only a member of an allowed enum, by its name)")
     return member
 
 

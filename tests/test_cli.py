@@ -379,8 +379,8 @@ def _tamper_chunks(directory: Path, how: str) -> None:
 @pytest.mark.parametrize(("how", "why"), [
     ("smaller", ": item 'a': chunk at [0] of shape [8] lies outside the tensor's shape [4]"),
     ("larger", ": item 'a': chunks cover 8 of its 16 elements"),
-    ("rank", "/.metadata: item 'a', chunk 0: its offsets torch.Size([0]) have 1 dimension(s) "
-             "where the tensor has 2"),
+    ("rank", "/.metadata: item 'a', chunk 0: its offsets [0] have 1 dimension(s) where the "
+             "tensor has 2"),
     ("overlap", ": item 'a': chunks at [0] and [2] overlap"),
 ])
 def test_chunks_that_do_not_tile_the_tensor(

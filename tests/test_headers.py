@@ -223,7 +223,7 @@ def test_header_with_a_duplicate_key_is_caught(
 
 
 @pytest.mark.parametrize(("dims", "named"), [
-    ([10**1000] * 1000, "shape [1000000"),
+    ([10**1000] * 1000, "shape [<an integer of 3322 bits>, <an integer of 3322 bits>"),
     ([2**40] * 50_000, "shape [1099511627776, 1099511627776"),
 ], ids=["1000 dims of 1000 digits", "50000 dims of 2**40"])
 def test_header_shape_of_many_large_dims_fails_at_once(

@@ -231,21 +231,22 @@ def test_malformed_metadata_is_refused_naming_the_file(checkpoint, capsys, make_
         load_into(expected, directory, engine=engine)
 
 
-_HUGE = 2**4000  # 1205 digits
+_HUGE = 10**5000  # more digits than Python prints
+_SHOWN = f"<an integer of {_HUGE.bit_length()} bits>"
 
 
 @pytest.mark.parametrize(("field", "value", "why"), [
-    ("size", _HUGE, "item 'w': its size (2, 3, 13182"),
-    ("sizes", _HUGE, "item 'w', chunk 0: its sizes (2, 3, 13182"),
-    ("offsets", _HUGE, "item 'w', chunk 0: its offsets (0, 0, 13182"),
-    ("size", 2**62, "item 'w': its size (2, 3, 4611686018427387904"),
+    ("size", _HUGE, f"item 'w': its size [2, 3, {_SHOWN}, {_SHOWN}"),
+    ("sizes", _HUGE, f"item 'w', chunk 0: its sizes [2, 3, {_SHOWN}"),
+    ("offsets", _HUGE, f"item 'w', chunk 0: its offsets [0, 0, {_SHOWN}"),
+    ("size", 2**62, "item 'w': its size [2, 3, 4611686018427387904, 4611686018427387904"),
 ], ids=["size", "chunk sizes", "chunk offsets", "size within 64 bits"])
 def test_huge_sizes_in_metadata_fail_at_once(checkpoint, capsys, make_engine, field: str,
                                              value: int, why: str) -> None:
-    """Sizes of a thousand digits (or each within 64 bits, but not their product), in
-    thousands of dimensions: refused as ``.metadata`` is read, within a second, naming the
-    file, the item and the field, before any arithmetic with them (their product alone would
-    take hours)."""
+    """Sizes of 5000 digits (or each within 64 bits, but not their product), in thousands of
+    dimensions: refused as ``.metadata`` is read, within a second, naming the file, the item
+    and the field, before any arithmetic with them (their product alone would take hours),
+    the integers too long to print shown by their size."""
     directory, expected = checkpoint
     metadata = read_metadata(directory)
     w = metadata.state_dict_metadata["w"]
