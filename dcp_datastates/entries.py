@@ -53,6 +53,10 @@ def stored_spec(metadata: Metadata, index: MetadataIndex, loc: ItemLocation, ten
     return ItemSpec(name, dtype, shape, loc.length)
 
 
+#: A stored item as the checks know it: its fqn and its chunk's offsets (None: bytes).
+_Key = tuple[str, "tuple[int, ...] | None"]
+
+
 def check_locations(directory: Path, metadata: Metadata) -> None:
     """Reject a ``.metadata`` that a load could not use, before anything computes with its
     numbers: fields that are not what DCP's classes hold (the unpickler builds objects of the
@@ -64,25 +68,37 @@ def check_locations(directory: Path, metadata: Metadata) -> None:
     storage = _field(metadata, "storage_data", dict, path)
     _field(metadata, "planner_data", (dict, type(None)), path)
     _field(metadata, "storage_meta", (StorageMeta, type(None)), path)
-    expected: set[MetadataIndex] = set()
+    expected: set[_Key] = set()
     for fqn, md in state.items():
         if type(fqn) is not str:
             raise CheckpointCorruptError(
                 f"{path}: an item is named {brief(fqn, 100)}, not a string")
         if isinstance(md, TensorStorageMetadata):
-            expected.update(MetadataIndex(fqn, c.offsets) for c in _chunks(md, path, fqn))
+            expected.update((fqn, tuple(c.offsets)) for c in _chunks(md, path, fqn))
         elif isinstance(md, BytesStorageMetadata):
-            expected.add(MetadataIndex(fqn))
+            expected.add((fqn, None))
         else:
             raise CheckpointCorruptError(
                 f"{path}: item {fqn!r} is a {type(md).__name__}, not a tensor or bytes item")
     for index, loc in storage.items():
-        _check_location(path, index, loc, expected)
-    if missing := expected.difference(storage):
-        index = min(missing, key=lambda i: (i.fqn, tuple(i.offset or ())))
-        at = "" if index.offset is None else f" (chunk at {list(index.offset)})"
-        raise CheckpointCorruptError(f"{path}: item {index.fqn!r}{at} has no location: "
+        _check_location(path, _key(path, index), loc, expected)
+    if len(storage) < len(expected):  # each location is of one stored item, its own
+        missing = expected.difference(_key(path, index) for index in storage)
+        fqn, offsets = min(missing, key=lambda k: (k[0], k[1] or ()))
+        at = "" if offsets is None else f" (chunk at {list(offsets)})"
+        raise CheckpointCorruptError(f"{path}: item {fqn!r}{at} has no location: "
                                      f"{len(missing)} stored chunk(s) have none")
+
+
+def _key(path: Path, index: object) -> _Key:
+    """The stored item a location's key names."""
+    fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
+    hint = getattr(index, "index", None)
+    if not isinstance(index, MetadataIndex) or type(fqn) is not str or not (
+            offset is None or isinstance(offset, tuple)) or not (
+            hint is None or type(hint) is int):
+        raise CheckpointCorruptError(f"{path}: a location's key is {brief(index)}, not an item")
+    return fqn, None if offset is None else tuple(offset)
 
 
 def _chunks(md: TensorStorageMetadata, path: Path, fqn: str) -> list[ChunkStorageMetadata]:
@@ -108,7 +124,8 @@ def _sizes(values: tuple, ndim: int | None, path: Path, what: str, name: str) ->
     if ndim is not None and len(values) != ndim:
         raise CheckpointCorruptError(f"{path}: {what}: its {name} {brief(values)} have "
                                      f"{len(values)} dimension(s) where the tensor has {ndim}")
-    if not all(type(v) is int and 0 <= v <= MAX_ELEMENTS for v in values):
+    if values and not (set(map(type, values)) == {int} and min(values) >= 0
+                       and max(values) <= MAX_ELEMENTS):  # bools are not sizes
         raise CheckpointCorruptError(f"{path}: {what}: its {name} {brief(values)} are not all "
                                      f"integers of 0..{MAX_ELEMENTS}")
     if name != "offsets" and bounded_numel(values, MAX_ELEMENTS) is None:
@@ -136,44 +153,40 @@ _KIND_NAMES = {dict: "a mapping", tuple: "a tuple", list: "a list", type(None): 
                torch.dtype: "a torch.dtype"}
 
 
-def _check_location(path: Path, index: object, loc: object,
-                    expected: set[MetadataIndex]) -> None:
-    """Reject a location of no stored item, or one that makes no sense."""
-    if not isinstance(index, MetadataIndex) or type(index.fqn) is not str or not (
-            index.index is None or type(index.index) is int):
-        raise CheckpointCorruptError(f"{path}: a location's key is {brief(index)}, not an item")
-    if index not in expected:
-        at = "" if index.offset is None else f" at offsets {brief(index.offset)}"
-        raise CheckpointCorruptError(f"{path}: a location names item {index.fqn!r}{at}, "
-                                     f"which the metadata does not hold")
+def _check_location(path: Path, key: _Key, loc: object, expected: set[_Key]) -> None:
+    """Reject a location of no stored item (``key``), or one that makes no sense."""
+    fqn, offsets = key
+    if key not in expected:
+        at = "" if offsets is None else f" at offsets {brief(offsets)}"
+        raise CheckpointCorruptError(f"{path}: a location names item {fqn!r}{at}, which the "
+                                     f"metadata does not hold")
     if not isinstance(loc, ItemLocation):
         raise CheckpointCorruptError(
-            f"{path}: item {index.fqn!r} has no DataStates location; was this checkpoint "
-            f"written by another storage writer?"
+            f"{path}: item {fqn!r} has no DataStates location; was this checkpoint written by "
+            f"another storage writer?"
         )
-    file, offset, length, block, checksums = (
-        getattr(loc, name, None) for name in ("file", "offset", "length", "block", "checksums"))
+    file, offset = getattr(loc, "file", None), getattr(loc, "offset", None)
+    length, block = getattr(loc, "length", None), getattr(loc, "block", None)
     name_ok = isinstance(file, str) and file not in ("", ".", "..") and (
         "/" not in file and "\\" not in file and "\0" not in file
     )
-    numbers_ok = all(_is_int(v) and 0 <= v <= MAX_ELEMENTS for v in (offset, length, block)) and (
-        block > 0)
+    numbers_ok = (  # bools are not offsets or lengths
+        type(offset) is int and type(length) is int and type(block) is int
+        and 0 <= offset <= MAX_ELEMENTS and 0 <= length <= MAX_ELEMENTS
+        and 0 < block <= MAX_ELEMENTS)
     if not name_ok or not numbers_ok:
         raise CheckpointCorruptError(
-            f"{path}: item {index.fqn!r} has an invalid location (file {brief(file, 100)}, "
+            f"{path}: item {fqn!r} has an invalid location (file {brief(file, 100)}, "
             f"offset {brief(offset)}, length {brief(length)}, block {brief(block)})")
+    checksums = getattr(loc, "checksums", None)
     need = max(1, -(-length // block))
     if (
         not isinstance(checksums, (tuple, list))
         or len(checksums) != need
-        or not all(_is_int(c) for c in checksums)
+        or set(map(type, checksums)) != {int}
     ):
         count = len(checksums) if isinstance(checksums, (tuple, list)) else type(checksums)
         raise CheckpointCorruptError(
-            f"{path}: item {index.fqn!r} has {count} checksums where its "
-            f"{length} bytes in blocks of {block} need {need}"
+            f"{path}: item {fqn!r} has {count} checksums where its {length} bytes in blocks "
+            f"of {block} need {need}"
         )
-
-
-def _is_int(value: object) -> bool:
-    return type(value) is int  # bools are not offsets or lengths
