@@ -3,8 +3,10 @@
 A save's coordinator claims the directory with an ``fcntl`` lock on a file in it before any
 rank writes there, and holds it until ``.metadata`` is committed (or the save failed): a save
 from another process (or another engine) fails at once with an error naming the directory.
-Data file names carry a token unique to the save, and only the claim holder deletes data files
-(those its new ``.metadata`` does not name), so no save removes a file another's metadata names.
+Data file names carry a token unique to the save, and only the claim holder deletes files once
+its new ``.metadata`` is committed (data files it does not name, DCP FileSystemWriter's data
+files and ``.metadata`` temporaries of saves that died), so no save removes a file another's
+metadata names.
 Checkpoint files are read through :func:`open_regular` (a regular file, never through a link).
 """
 
@@ -25,6 +27,14 @@ from .errors import CheckpointError
 LOCK_NAME = ".dcp_datastates.lock"
 #: Data files: ``__<rank>_<token>.safetensors``.
 DATA_FILE_RE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
+#: What a committed ``.metadata`` replaces where it does not name it: data files (ours, and
+#: DCP FileSystemWriter's ``__<rank>_<n>.distcp``), and ``.metadata.tmp.<token>`` files of
+#: commits that died before their rename.
+_REPLACED_RE = re.compile(
+    r"^__\d+_[0-9a-f]+\.safetensors$|^__\d+_\d+\.distcp$|^\.metadata\.tmp\.[0-9a-f]+$")
+
+#: A URL's scheme: ``s3://``, ``gs://``, ``file://``, ...
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 _FS_NAMES = {
     0x01021994: "tmpfs", 0x858458F6: "ramfs", 0xEF53: "ext4", 0x58465342: "xfs",
@@ -33,6 +43,22 @@ _FS_NAMES = {
 }
 _MEMORY_FS = {0x01021994, 0x858458F6}
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def is_url(value: str | os.PathLike) -> bool:
+    """Whether a checkpoint directory given as ``value`` is a URL (``s3://bucket/ckpt``)."""
+    return isinstance(value, str) and _URL_RE.match(value) is not None
+
+
+def checkpoint_path(value: str | os.PathLike) -> Path:
+    """The checkpoint directory ``value`` names, ``~`` expanded. A URL is refused
+    (``ValueError``): as a path it would name a local directory such as ``s3:``."""
+    if is_url(value):
+        raise ValueError(
+            f"checkpoint directory {value!r} is a URL: dcp_datastates saves to and loads from "
+            f"a file system path (local or mounted); give a path, e.g. where the object store "
+            f"is mounted")
+    return Path(os.path.expanduser(value))
 
 
 def fs_magic(directory: Path) -> int | None:
@@ -118,19 +144,21 @@ def new_token() -> str:
 
 
 def remove_unreferenced(directory: Path, keep: set[str]) -> bool:
-    """Delete data files in ``directory`` that ``keep`` does not name (claim held);
-    return whether any went."""
-    stale = [p for p in directory.iterdir() if DATA_FILE_RE.match(p.name) and p.name not in keep]
+    """Delete the files of ``directory`` that its committed ``.metadata`` replaced and does not
+    name (``keep``): earlier saves' data files and temporaries (claim held); return whether any
+    went."""
+    stale = [p for p in directory.iterdir() if _REPLACED_RE.match(p.name) and p.name not in keep]
     for p in stale:
         p.unlink(missing_ok=True)
     return bool(stale)
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a directory's entries (new, renamed or removed files) durable."""
+def fsync_dir(directory: Path, fsync: Callable[[int], None] = os.fsync) -> None:
+    """Make a directory's entries (new, renamed or removed files) durable (``fsync`` syncs
+    the descriptor)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fsync(fd)
     finally:
         os.close(fd)
 

@@ -1,16 +1,27 @@
 """A DCP item in the files: its data file entry name, its spec as ``.metadata`` describes it,
-and the checks of ``.metadata``'s item locations."""
+and the checks of ``.metadata``'s items and their locations."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from .errors import CheckpointCorruptError
-from .file_format import ItemSpec
-from .metadata_file import ItemLocation
+from .errors import CheckpointCorruptError, brief
+from .file_format import ItemSpec, bounded_numel
+from .metadata_file import METADATA_NAME, ItemLocation
+
+#: Largest size, offset or element count a tensor may have (torch's are 64-bit).
+MAX_ELEMENTS = 2**63 - 1
 
 
 def entry_name(index: MetadataIndex) -> str:
@@ -32,50 +43,150 @@ def stored_spec(metadata: Metadata, index: MetadataIndex, loc: ItemLocation, ten
     if not isinstance(md, TensorStorageMetadata):
         raise CheckpointCorruptError(f"{what}: not a tensor in .metadata")
     offset = None if index.offset is None else tuple(index.offset)
-    shape = next((tuple(c.sizes) for c in md.chunks if offset is None or c.offsets == offset),
-                 None)
+    shape = next((tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == offset), None)
     if shape is None:
         raise CheckpointCorruptError(f"{what}: no stored chunk at offsets {index.offset}")
     dtype = md.properties.dtype
-    if math.prod(shape) * dtype.itemsize != loc.length:
+    if bounded_numel(shape, MAX_ELEMENTS) * dtype.itemsize != loc.length:
         raise CheckpointCorruptError(
             f"{what}: {loc.length} bytes stored for a {dtype} chunk of shape {list(shape)}")
     return ItemSpec(name, dtype, shape, loc.length)
 
 
+#: A stored item as the checks know it: its fqn and its chunk's offsets (None: bytes).
+_Key = tuple[str, "tuple[int, ...] | None"]
+
+
 def check_locations(directory: Path, metadata: Metadata) -> None:
-    """Reject locations that point outside the checkpoint directory or make no sense."""
-    if not isinstance(metadata.storage_data, dict):
-        raise CheckpointCorruptError(f"{directory}/.metadata: storage data is not a mapping")
-    for index, loc in metadata.storage_data.items():
-        if not isinstance(loc, ItemLocation):
+    """Reject a ``.metadata`` that a load could not use, before anything computes with its
+    numbers: fields that are not what DCP's classes hold (the unpickler builds objects of the
+    allowed classes with whatever fields the file gives), sizes and offsets beyond 64 bits, a
+    stored chunk without a location or a location of no stored chunk, and locations that
+    point outside the checkpoint directory or make no sense."""
+    path = directory / METADATA_NAME
+    state = _field(metadata, "state_dict_metadata", dict, path)
+    storage = _field(metadata, "storage_data", dict, path)
+    _field(metadata, "planner_data", (dict, type(None)), path)
+    _field(metadata, "storage_meta", (StorageMeta, type(None)), path)
+    expected: set[_Key] = set()
+    for fqn, md in state.items():
+        if type(fqn) is not str:
             raise CheckpointCorruptError(
-                f"{directory}/.metadata: item {index.fqn!r} has no DataStates location; was "
-                f"this checkpoint written by another storage writer?"
-            )
-        name_ok = isinstance(loc.file, str) and loc.file not in ("", ".", "..") and (
-            "/" not in loc.file and "\\" not in loc.file and "\0" not in loc.file
-        )
-        numbers_ok = all(_is_int(v) for v in (loc.offset, loc.length, loc.block)) and (
-            loc.offset >= 0 and loc.length >= 0 and loc.block > 0
-        )
-        if not name_ok or not numbers_ok:
+                f"{path}: an item is named {brief(fqn, 100)}, not a string")
+        if isinstance(md, TensorStorageMetadata):
+            expected.update((fqn, tuple(c.offsets)) for c in _chunks(md, path, fqn))
+        elif isinstance(md, BytesStorageMetadata):
+            expected.add((fqn, None))
+        else:
             raise CheckpointCorruptError(
-                f"{directory}/.metadata: item {index.fqn!r} has an invalid location {loc!r}"
-            )
-        checksums = loc.checksums
-        need = max(1, -(-loc.length // loc.block))
-        if (
-            not isinstance(checksums, (tuple, list))
-            or len(checksums) != need
-            or not all(_is_int(c) for c in checksums)
-        ):
-            count = len(checksums) if isinstance(checksums, (tuple, list)) else type(checksums)
-            raise CheckpointCorruptError(
-                f"{directory}/.metadata: item {index.fqn!r} has {count} checksums where its "
-                f"{loc.length} bytes in blocks of {loc.block} need {need}"
-            )
+                f"{path}: item {fqn!r} is a {type(md).__name__}, not a tensor or bytes item")
+    for index, loc in storage.items():
+        _check_location(path, _key(path, index), loc, expected)
+    if len(storage) < len(expected):  # each location is of one stored item, its own
+        missing = expected.difference(_key(path, index) for index in storage)
+        fqn, offsets = min(missing, key=lambda k: (k[0], k[1] or ()))
+        at = "" if offsets is None else f" (chunk at {list(offsets)})"
+        raise CheckpointCorruptError(f"{path}: item {fqn!r}{at} has no location: "
+                                     f"{len(missing)} stored chunk(s) have none")
 
 
-def _is_int(value: object) -> bool:
-    return type(value) is int  # bools are not offsets or lengths
+def _key(path: Path, index: object) -> _Key:
+    """The stored item a location's key names."""
+    fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
+    hint = getattr(index, "index", None)
+    if not isinstance(index, MetadataIndex) or type(fqn) is not str or not (
+            offset is None or isinstance(offset, tuple)) or not (
+            hint is None or type(hint) is int):
+        raise CheckpointCorruptError(f"{path}: a location's key is {brief(index)}, not an item")
+    return fqn, None if offset is None else tuple(offset)
+
+
+def _chunks(md: TensorStorageMetadata, path: Path, fqn: str) -> list[ChunkStorageMetadata]:
+    """Tensor ``fqn``'s stored chunks, its properties, size and chunks checked."""
+    what = f"item {fqn!r}"
+    properties = _field(md, "properties", TensorProperties, path, what)
+    _field(properties, "dtype", torch.dtype, path, f"{what}, properties")
+    size = _sizes(_field(md, "size", tuple, path, what), None, path, what, "size")
+    chunks = _field(md, "chunks", list, path, what)
+    for k, c in enumerate(chunks):
+        where = f"{what}, chunk {k}"
+        if not isinstance(c, ChunkStorageMetadata):
+            raise CheckpointCorruptError(f"{path}: {where} is a {type(c).__name__}, not a "
+                                         f"ChunkStorageMetadata")
+        _sizes(_field(c, "offsets", tuple, path, where), len(size), path, where, "offsets")
+        _sizes(_field(c, "sizes", tuple, path, where), len(size), path, where, "sizes")
+    return chunks
+
+
+def _sizes(values: tuple, ndim: int | None, path: Path, what: str, name: str) -> tuple:
+    """Field ``name`` of ``what``: ``ndim`` (if given) ints of 0..``MAX_ELEMENTS``, and, for
+    sizes, their product too."""
+    if ndim is not None and len(values) != ndim:
+        raise CheckpointCorruptError(f"{path}: {what}: its {name} {brief(values)} have "
+                                     f"{len(values)} dimension(s) where the tensor has {ndim}")
+    if values and not (set(map(type, values)) == {int} and min(values) >= 0
+                       and max(values) <= MAX_ELEMENTS):  # bools are not sizes
+        raise CheckpointCorruptError(f"{path}: {what}: its {name} {brief(values)} are not all "
+                                     f"integers of 0..{MAX_ELEMENTS}")
+    if name != "offsets" and bounded_numel(values, MAX_ELEMENTS) is None:
+        raise CheckpointCorruptError(f"{path}: {what}: its {name} {brief(values)} make more "
+                                     f"than {MAX_ELEMENTS} elements")
+    return values
+
+
+def _field(obj: object, name: str, kind: type | tuple[type, ...], path: Path,
+           what: str = "") -> object:
+    """``obj.name``, which must be a ``kind`` (``what``: how errors name ``obj``)."""
+    at = f"{path}: {what}: " if what else f"{path}: "
+    value = getattr(obj, name, _MISSING)
+    if value is _MISSING:
+        raise CheckpointCorruptError(f"{at}no field {name!r}")
+    if not isinstance(value, kind):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        want = " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
+        raise CheckpointCorruptError(f"{at}{name} is a {type(value).__name__}, not {want}")
+    return value
+
+
+_MISSING = object()
+_KIND_NAMES = {dict: "a mapping", tuple: "a tuple", list: "a list", type(None): "None",
+               torch.dtype: "a torch.dtype"}
+
+
+def _check_location(path: Path, key: _Key, loc: object, expected: set[_Key]) -> None:
+    """Reject a location of no stored item (``key``), or one that makes no sense."""
+    fqn, offsets = key
+    if key not in expected:
+        at = "" if offsets is None else f" at offsets {brief(offsets)}"
+        raise CheckpointCorruptError(f"{path}: a location names item {fqn!r}{at}, which the "
+                                     f"metadata does not hold")
+    if not isinstance(loc, ItemLocation):
+        raise CheckpointCorruptError(
+            f"{path}: item {fqn!r} has no DataStates location; was this checkpoint written by "
+            f"another storage writer?"
+        )
+    file, offset = getattr(loc, "file", None), getattr(loc, "offset", None)
+    length, block = getattr(loc, "length", None), getattr(loc, "block", None)
+    name_ok = isinstance(file, str) and file not in ("", ".", "..") and (
+        "/" not in file and "\\" not in file and "\0" not in file
+    )
+    numbers_ok = (  # bools are not offsets or lengths
+        type(offset) is int and type(length) is int and type(block) is int
+        and 0 <= offset <= MAX_ELEMENTS and 0 <= length <= MAX_ELEMENTS
+        and 0 < block <= MAX_ELEMENTS)
+    if not name_ok or not numbers_ok:
+        raise CheckpointCorruptError(
+            f"{path}: item {fqn!r} has an invalid location (file {brief(file, 100)}, "
+            f"offset {brief(offset)}, length {brief(length)}, block {brief(block)})")
+    checksums = getattr(loc, "checksums", None)
+    need = max(1, -(-length // block))
+    if (
+        not isinstance(checksums, (tuple, list))
+        or len(checksums) != need
+        or set(map(type, checksums)) != {int}
+    ):
+        count = len(checksums) if isinstance(checksums, (tuple, list)) else type(checksums)
+        raise CheckpointCorruptError(
+            f"{path}: item {fqn!r} has {count} checksums where its {length} bytes in blocks "
+            f"of {block} need {need}"
+        )

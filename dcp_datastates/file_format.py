@@ -12,16 +12,16 @@ header's ``__metadata__`` under ``raw_items``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from .align import ALIGN
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, brief
 
 FORMAT_NAME = "dcp_datastates"
 FORMAT_VERSION = "1"
@@ -323,17 +323,35 @@ def read_header(head: bytes, path: str, file_size: int) -> tuple[int, dict[str, 
 _DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
+def bounded_numel(shape: Sequence[int], limit: int) -> int | None:
+    """The product of ``shape`` (non-negative ints), or None where it exceeds ``limit``: found
+    without ever multiplying numbers larger than ``limit``, so that sizes read from a file
+    cost no more than their count, however large they are."""
+    if 0 in shape:
+        return 0
+    numel = 1
+    for d in shape:
+        if d > limit:
+            return None
+        numel *= d
+        if numel > limit:
+            return None
+    return numel
+
+
 def _entry_problem(entry: dict, offsets: list[int]) -> str | None:
     """What makes a header entry one safetensors refuses (its offsets are checked already)."""
     dtype, shape = entry.get("dtype"), entry.get("shape")
     if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
-        return f"has dtype {dtype!r}, not a safetensors dtype this package writes"
+        return f"has dtype {brief(dtype, 100)}, not a safetensors dtype this package writes"
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        return f"has shape {shape!r}, not a list of sizes"
-    nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
-    if nbytes != offsets[1] - offsets[0]:
-        return (f"has {offsets[1] - offsets[0]} data bytes where its dtype {dtype} and shape "
-                f"{shape} make {nbytes}")
+        return f"has shape {brief(shape)}, not a list of sizes"
+    nbytes, size = offsets[1] - offsets[0], _DTYPE_BYTES[dtype]
+    numel = bounded_numel(shape, nbytes // size)
+    if numel is None or numel * size != nbytes:
+        made = "more than that" if numel is None else numel * size
+        return (f"has {nbytes} data bytes where its dtype {dtype} and shape {brief(shape)} "
+                f"make {made}")
     return None
 
 

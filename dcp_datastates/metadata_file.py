@@ -1,16 +1,27 @@
-"""The checkpoint's `.metadata`: written last and atomically, read without running pickles."""
+"""The checkpoint's `.metadata`: written last and atomically, read without running pickles.
+
+The file is a pickle of DCP's ``Metadata`` followed by a seal: a magic and the XXH3-64 of
+everything before the digest, so that any damage to the file is seen before it is unpickled.
+``pickle.load`` stops where the pickle ends, so other readers ignore the seal. Files written
+before the seal existed have none; they are read as they are.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import io
 import os
 import pickle
+import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
@@ -24,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .directory import fsync_dir, open_regular, write_new
-from .errors import CheckpointCorruptError, CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, brief
 
 METADATA_NAME = ".metadata"
 
@@ -147,6 +158,24 @@ _ALLOWED = {(c.__module__, c.__qualname__): c for c in _SAFE_GLOBALS} | {
 }
 
 
+#: The enum classes whose members the metadata may name with ``builtins.getattr``.
+_ENUMS = frozenset(c for c in _SAFE_GLOBALS if isinstance(c, type) and issubclass(c, enum.Enum))
+
+
+def _enum_member(cls: object, name: object) -> enum.Enum:
+    """``builtins.getattr`` as the metadata may use it: how CPython 3.11.0-3.11.2 pickle an
+    enum member (``getattr(cls, name)``). Only a member, by its name, of an allowed enum."""
+    member = None
+    if isinstance(cls, type) and cls in _ENUMS and type(name) is str:
+        member = cls.__members__.get(name)
+    if member is None:
+        what = cls.__qualname__ if isinstance(cls, type) else type(cls).__qualname__
+        raise pickle.UnpicklingError(
+            f"WeightsUnpickler error: builtins.getattr({what}, {brief(name, 100)}) is not allowed "
+            f"in checkpoint metadata (only a member of an allowed enum, by its name)")
+    return member
+
+
 class _FileSystemWriterCheckpoint(pickle.UnpicklingError):
     """The metadata holds DCP FileSystemWriter's item locations."""
 
@@ -157,6 +186,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
         if (module, name) == _FILESYSTEM_WRITER_LOCATION:
             raise _FileSystemWriterCheckpoint
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         allowed = _ALLOWED.get((module, name))
         if allowed is None and module == "torch" and isinstance(getattr(torch, name, None),
                                                                 torch.dtype):
@@ -167,16 +198,52 @@ class _MetadataUnpickler(pickle.Unpickler):
         return allowed
 
 
-def write_metadata(directory: Path, metadata: Metadata, token: str) -> None:
+#: The seal after the pickle: a magic, then the XXH3-64 of the pickle and the magic.
+_SEAL_MAGIC = b"DS-XXH3:"
+_DIGEST = struct.Struct("<Q")
+
+
+def sealed(data: bytes) -> bytes:
+    """The bytes of ``.metadata`` for the pickle ``data``: ``data`` and its seal."""
+    head = data + _SEAL_MAGIC
+    return head + _DIGEST.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def _unsealed(data: bytes, path: Path) -> bytes:
+    """The pickle in ``.metadata``'s bytes ``data``, its seal checked (a file without one, from
+    before seals, is returned whole)."""
+    cut = len(data) - _DIGEST.size
+    if cut < len(_SEAL_MAGIC) or data[cut - len(_SEAL_MAGIC):cut] != _SEAL_MAGIC:
+        return data
+    (digest,) = _DIGEST.unpack(data[cut:])
+    if xxhash.xxh3_64_intdigest(data[:cut]) != digest:
+        raise CheckpointCorruptError(
+            f"{path}: checksum mismatch: the file is damaged (its XXH3-64 seal does not match "
+            f"its {len(data)} bytes)")
+    return data[:cut - len(_SEAL_MAGIC)]
+
+
+def write_metadata(directory: Path, metadata: Metadata, token: str,
+                   fsync: Callable[[int], None] = os.fsync) -> None:
     """Write ``directory/.metadata`` atomically: a temp name unique to the save (``token``),
-    fsync, rename, fsync the directory."""
+    fsync, rename, fsync the directory (``fsync`` syncs a descriptor; tests inject faults).
+
+    Where only the last fsync fails, the new checkpoint is in place: the ``OSError`` says so."""
     if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
         metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
     data = pickle.dumps(_Sealed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
     final = directory / METADATA_NAME
     tmp = directory / f"{METADATA_NAME}.tmp.{token}"
-    write_new(tmp, final, [data])
-    fsync_dir(directory)
+    write_new(tmp, final, [sealed(data)], fsync)
+    try:
+        fsync_dir(directory, fsync)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"{directory}: the new checkpoint is committed ({METADATA_NAME} is in place and "
+            f"loads; it replaced any earlier one there), but syncing the directory failed "
+            f"({exc.strerror}): a crash of the machine before the file system writes it back "
+            f"may lose it") from exc
 
 
 def _no_metadata(directory: Path) -> OSError:
@@ -201,13 +268,14 @@ def read_metadata(directory: Path) -> Metadata:
         raise CheckpointCorruptError(f"{path} {exc.strerror}") from None
     try:
         with open(fd, "rb") as f:
-            head = f.read(2)
-            f.seek(0)
-            if head == b"PK":  # written by torch.save (dcp_datastates 0.1.0)
-                with torch.serialization.safe_globals(_SAFE_GLOBALS):
-                    metadata = torch.load(f, weights_only=True)
-            else:
-                metadata = _MetadataUnpickler(f).load()
+            data = f.read()
+        if data[:2] == b"PK":  # written by torch.save (dcp_datastates 0.1.0)
+            with torch.serialization.safe_globals(_SAFE_GLOBALS):
+                metadata = torch.load(io.BytesIO(data), weights_only=True)
+        else:
+            metadata = _unpickle(_unsealed(data, path))
+    except CheckpointCorruptError:
+        raise
     except _FileSystemWriterCheckpoint:
         raise CheckpointError(
             f"{directory} is a DCP FileSystemWriter checkpoint (dcp.save without a "
@@ -226,6 +294,15 @@ def read_metadata(directory: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
     return metadata
+
+
+def _unpickle(data: bytes) -> object:
+    """The object pickled in ``data``, which must end where the pickle does."""
+    stream = io.BytesIO(data)
+    obj = _MetadataUnpickler(stream).load()
+    if stream.tell() != len(data):
+        raise pickle.UnpicklingError(f"{len(data) - stream.tell()} bytes after the pickle's end")
+    return obj
 
 
 def metadata_stamp(directory: Path) -> tuple[int, int, int] | None:

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .arguments import checked_keywords
+from .directory import checkpoint_path, is_url
 from .engine import Engine, default_engine
 from .entries import check_locations
 from .jobs.load import LoadJob
@@ -39,7 +40,7 @@ class DataStatesReader(StorageReader):
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
                  verify_checksums: bool = True, direct_io: bool = True) -> None:
         super().__init__()
-        self.path = Path(os.path.expanduser(path)) if path is not None else None
+        self.path = checkpoint_path(path) if path is not None else None
         self.verify_checksums = verify_checksums
         self.direct_io = direct_io
         self._engine = engine
@@ -61,7 +62,7 @@ class DataStatesReader(StorageReader):
         ``read_metadata`` with "metadata is None".
         """
         if checkpoint_id is not None:
-            self.path = Path(os.path.expanduser(checkpoint_id))
+            self.path = checkpoint_path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
         self._metadata = self._read_checked() if checkpoint_id is not None else None
 
@@ -108,7 +109,9 @@ class DataStatesReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return (Path(os.path.expanduser(checkpoint_id)) / METADATA_NAME).is_file()
+        if is_url(checkpoint_id):
+            return False
+        return (checkpoint_path(checkpoint_id) / METADATA_NAME).is_file()
 
     def _read_checked(self) -> Metadata:
         directory = self._checkpoint_dir()

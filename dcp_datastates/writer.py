@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .arguments import checked_keywords
-from .directory import check_direct_io
+from .directory import check_direct_io, checkpoint_path, is_url
 from .engine import Engine, default_engine
 from .jobs.ordering import CALLS
 from .jobs.save import SaveJob, new_save_job
@@ -71,7 +71,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                  overwrite: bool = False, direct_io: bool | None = None,
                  snapshot_into: SnapshotTarget | None = None) -> None:
         super().__init__()
-        self.path = Path(os.path.expanduser(path)) if path is not None else None
+        self.path = checkpoint_path(path) if path is not None else None
         self.overwrite = overwrite
         self.direct_io = direct_io
         self._target = snapshot_into
@@ -142,13 +142,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # -- StorageWriter --------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a save: take the staged job it belongs to (or a new one), wait for its turn."""
-        if checkpoint_id is not None:
-            self.path = Path(os.path.expanduser(checkpoint_id))
         job = self._staged.take()
         if job is None:
             job = self._last = new_save_job(self.engine)  # a plain save
         self._running[threading.get_ident()] = job
         try:
+            if checkpoint_id is not None:
+                self.path = checkpoint_path(checkpoint_id)
             job.claim()
             job.directory = self._checkpoint_dir()
             if self.direct_io:
@@ -198,7 +198,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
 
     # -- internals ------------------------------------------------------------------------------
     def _current(self, call: int) -> SaveJob:

@@ -34,8 +34,9 @@ class FaultyBackend:
     - ``delay_s``: every write sleeps first (a slow disk); ``read_delay_s`` every read.
     - ``on_fsync``: called with the path of every fsync before it is made.
     - ``gate``: writes wait until it is set; ``gated=True`` starts it cleared.
-      ``write_started`` is set as soon as a write call arrives (before the gate). Likewise
-      ``read_gate`` (``read_gated=True``) and ``read_started`` for reads.
+      ``write_started`` is set as soon as a write call arrives (before the gate).
+    - ``hold_reads_after=N``: the first N read calls go on, every later one sets
+      ``reads_held`` and waits for ``read_gate``.
 
     It counts calls (``writes``, ``reads``, ``fsyncs``) and records registrations, so a test
     can assert that every registered buffer was unregistered (``live_buffers() == []``).
@@ -53,7 +54,7 @@ class FaultyBackend:
         read_delay_s: float = 0.0,
         fail_fsync: bool = False,
         gated: bool = False,
-        read_gated: bool = False,
+        hold_reads_after: int | None = None,
         on_fsync: Callable[[str], None] | None = None,
     ) -> None:
         self.inner = inner
@@ -67,10 +68,8 @@ class FaultyBackend:
         if not gated:
             self.gate.set()
         self.write_started = threading.Event()
-        self.read_gate = threading.Event()
-        if not read_gated:
-            self.read_gate.set()
-        self.read_started = threading.Event()
+        self.hold_reads_after = hold_reads_after
+        self.read_gate, self.reads_held = threading.Event(), threading.Event()
         self.writes = self.reads = self.fsyncs = 0
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[tuple[int, int]] = []
@@ -119,13 +118,15 @@ class FaultyBackend:
         self.inner.write(fd, path, first)
 
     def read(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
-        self.read_started.set()
-        self.read_gate.wait()
         if self.read_delay_s:
             time.sleep(self.read_delay_s)
         with self._lock:
             self.reads += 1
             fail = self.fail_read_after is not None and self.reads > self.fail_read_after
+            hold = self.hold_reads_after is not None and self.reads > self.hold_reads_after
+        if hold:
+            self.reads_held.set()
+            self.read_gate.wait()
         if fail:
             raise self._error("read", path)
         self.inner.read(fd, path, reqs)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from dcp_datastates import DataStatesWriter, Engine, cli
 from dcp_datastates.cli.checkpoint import load_checkpoint
+from dcp_datastates.cli.export import ENTRY_NAMES, EXPORT_NAMES
 from dcp_datastates.cli.headers import check_file
 from dcp_datastates.cli.inspect import inspect_data
 from dcp_datastates.cli.output import OutputDir
@@ -371,26 +377,28 @@ def _tamper_chunks(directory: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize(("how", "why"), [
-    ("smaller", "chunk at [0] of shape [8] lies outside the tensor's shape [4]"),
-    ("larger", "chunks cover 8 of its 16 elements"),
-    ("rank", "chunk at [0] of shape [8] lies outside the tensor's shape [8, 1]"),
-    ("overlap", "chunks at [0] and [2] overlap"),
+    ("smaller", ": item 'a': chunk at [0] of shape [8] lies outside the tensor's shape [4]"),
+    ("larger", ": item 'a': chunks cover 8 of its 16 elements"),
+    ("rank", "/.metadata: item 'a', chunk 0: its offsets [0] have 1 dimension(s) where the "
+             "tensor has 2"),
+    ("overlap", ": item 'a': chunks at [0] and [2] overlap"),
 ])
 def test_chunks_that_do_not_tile_the_tensor(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, why: str
 ) -> None:
-    """A ``.metadata`` whose chunks do not tile a tensor's global shape: ``verify`` names it;
+    """A ``.metadata`` whose chunks do not tile a tensor's global shape: ``verify`` names it
+    (a chunk with another number of dimensions than its tensor: as ``.metadata`` is read);
     ``export`` refuses it with an error (no traceback, no uninitialized memory exported)."""
     directory = _save({"a": torch.arange(8.0), "p": torch.arange(4.0),
                        "q": torch.arange(4.0) + 10}, tmp_path / "ckpt")
     _tamper_chunks(directory, how)
     code, _, err = _main(capsys, "verify", "-q", str(directory))
     assert code == 1
-    assert f"item 'a': {why}" in err, err
+    assert f"{directory}{why}" in err, err
     res = _run("export", "-q", str(directory), str(tmp_path / "hf"))
     assert res.returncode == 1, res.stdout
     assert "Traceback" not in res.stderr
-    assert f"error: {directory}: item 'a': {why}" in res.stderr, res.stderr
+    assert f"error: {directory}{why}" in res.stderr, res.stderr
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
@@ -603,23 +611,136 @@ def test_export_writes_through_temporary_names(ckpt: Path, tmp_path: Path,
     _assert_exported([out / "model.safetensors"], _state()["model"])
 
 
+def test_export_checks_a_declared_4_tib_tensor_before_allocating_it(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``.metadata`` that declares a 4 TiB tensor its data file does not hold: refused at
+    once, naming the file and the item, before any memory is allocated or anything written."""
+    bad = _copy(ckpt, tmp_path / "bad")
+    md = read_metadata(bad)
+    w = md.state_dict_metadata["model.w"]
+    (chunk,) = w.chunks
+    size = torch.Size([1 << 20, 1 << 20])
+    w.size = size
+    w.chunks = [dataclasses.replace(chunk, sizes=size)]
+    index = next(i for i in md.storage_data if i.fqn == "model.w")
+    loc = md.storage_data[index]
+    length = 4 << 40
+    md.storage_data[index] = dataclasses.replace(
+        loc, length=length, checksums=(0,) * -(-length // loc.block))
+    write_metadata(bad, md, "0123456789abcdef")
+    out = tmp_path / "hf"
+    start = time.monotonic()
+    code, _, err = _main(capsys, "export", "-q", str(bad), str(out), "--prefix", "model.")
+    assert time.monotonic() - start < 1.0
+    assert code == 1
+    assert err == (f"error: {bad}: file {loc.file}, item 'model.w' (chunk at [0, 0]): truncated: "
+                   f"needs file bytes {loc.offset}..{loc.offset + length}, the data file has "
+                   f"{(bad / loc.file).stat().st_size}\n")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("what", ["a file", "under a file"])
+def test_export_to_a_file_says_so(ckpt: Path, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str], what: str) -> None:
+    (tmp_path / "file").write_bytes(b"mine")
+    out = tmp_path / "file" if what == "a file" else tmp_path / "file" / "hf"
+    code, _, err = _main(capsys, "export", "-q", str(ckpt), str(out), "--prefix", "model.")
+    assert code == 1
+    assert err == {
+        "a file": f"error: output directory {out} exists and is not a directory: give a "
+                  f"directory (it is made if missing)\n",
+        "under a file": f"error: cannot make the output directory {out}: Not a directory\n",
+    }[what]
+    assert (tmp_path / "file").read_bytes() == b"mine"
+
+
+def test_two_exports_into_one_directory_cannot_interleave(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "hf"
+    with OutputDir(out):
+        code, _, err = _main(capsys, "export", "-q", str(ckpt), str(out), "--prefix", "model.")
+    assert code == 1
+    assert err == (f"error: output directory {out} is being written by another export: wait "
+                   f"for it to finish or export elsewhere\n")
+    code, _, err = _main(capsys, "export", "-q", str(ckpt), str(out), "--prefix", "model.")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
 def test_output_dir_syncs_each_file_before_its_rename_then_the_directories(
     tmp_path: Path,
 ) -> None:
+    """Each file is synced under its temporary name in the staging directory, then that
+    directory; the output directory once the previous files went, again before the entry
+    file comes, and once everything is in place, with the parents it was made in."""
     synced: list[str] = []
 
     def fsync(fd: int) -> None:
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         os.fsync(fd)
 
-    out = OutputDir(tmp_path / "a" / "b", fsync=fsync)
-    out.create()
-    out.write("x.safetensors", [b"12", memoryview(b"34")])
-    out.write("y.json", [b"{}"])
-    out.sync()
+    with OutputDir(tmp_path / "a" / "b", fsync=fsync) as out:
+        out.write("x.safetensors", [b"12", memoryview(b"34")])
+        out.write("y.json", [b"{}"])
+        assert out.publish(re.compile("^$"), {"y.json"}) == []
     tmp_x, tmp_y, *dirs = synced
-    assert Path(tmp_x).name.startswith(".x.safetensors.") and tmp_x.endswith(".tmp")
-    assert Path(tmp_y).name.startswith(".y.json.") and Path(tmp_y).parent == out.path
-    assert dirs == [str(out.path), str(tmp_path / "a"), str(tmp_path)]
+    staging = Path(tmp_x).parent
+    assert staging.parent == out.path and staging.name.startswith(".export-")
+    assert (tmp_x, tmp_y) == (str(staging / ".x.safetensors.tmp"), str(staging / ".y.json.tmp"))
+    assert dirs == [str(staging), *[str(out.path)] * 3, str(tmp_path / "a"), str(tmp_path)]
     assert (out.path / "x.safetensors").read_bytes() == b"1234"
     assert sorted(p.name for p in out.path.iterdir()) == ["x.safetensors", "y.json"]
+
+
+_SHARDED = {"model-00001-of-00002.safetensors": b"shard 1", "model.safetensors.index.json":
+            b"index", "model-00002-of-00002.safetensors": b"shard 2"}
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    (_SHARDED, {"model.safetensors": b"single"}),
+    ({"model.safetensors": b"single"}, _SHARDED),
+    (_SHARDED, {k: v + b" again" for k, v in _SHARDED.items()}),
+], ids=["sharded to single", "single to sharded", "sharded again"])
+def test_an_export_stopped_anywhere_leaves_the_old_model_whole_or_none(
+    tmp_path: Path, old: dict[str, bytes], new: dict[str, bytes]
+) -> None:
+    """Stopped at each of its syncs (a failing one, as a crash there would stop it), an export
+    leaves the previous export whole, or no entry file (no model a loader takes), never a mix;
+    the next export then goes through and removes what the stopped one left."""
+    out = tmp_path / "hf"
+    for stop in range(1, 20):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        (out / "README.md").write_bytes(b"mine")
+        for name, data in old.items():
+            (out / name).write_bytes(data)
+        calls = 0
+
+        def fsync(fd: int, stop: int = stop) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == stop:
+                raise OSError(errno.EIO, "stopped here (injected)")
+            os.fsync(fd)
+
+        try:
+            with OutputDir(out, fsync=fsync) as o:
+                for name, data in new.items():
+                    o.write(name, [data])
+                o.publish(EXPORT_NAMES, ENTRY_NAMES)
+            finished = True
+        except OSError:
+            finished = False
+        files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        models = {n: d for n, d in files.items() if EXPORT_NAMES.match(n)}
+        assert files["README.md"] == b"mine"
+        assert models in (old, new) or not ENTRY_NAMES & set(models), (stop, models)
+        if finished:
+            assert models == new and sorted(files) == sorted([*new, "README.md"])
+            assert not list(out.glob(".export-*"))
+            break
+    else:
+        pytest.fail("the export never finished")
+    assert stop > 3, "the export should have been stopped at several points first"

@@ -96,6 +96,37 @@ def test_overwrite_replaces_checkpoint_and_removes_old_files(
     assert_state_equal(load_into(expected, directory, io_backend=io_backend), expected)
 
 
+def test_overwrite_of_a_filesystem_writer_checkpoint_removes_its_files(
+    tmp_path: Path, make_writer, faulty_engine
+) -> None:
+    """DCP FileSystemWriter's data files (``__0_0.distcp``) and a ``.metadata.tmp.<token>``
+    that a killed save left: gone once the new ``.metadata`` is committed, not before (a save
+    that fails leaves the previous checkpoint whole: DCP's reader still loads it)."""
+    directory = tmp_path / "ckpt"
+    theirs = _state(seed=3)
+    expected_theirs = clone_state(theirs)
+    dcp.save(theirs, storage_writer=FileSystemWriter(directory), no_dist=True)
+    distcp = sorted(p.name for p in directory.glob("*.distcp"))
+    assert distcp, "DCP's writer should have written .distcp files"
+    (directory / ".metadata.tmp.0123456789abcdef").write_bytes(b"a commit that died")
+
+    engine, _ = faulty_engine(fail_write_after=0)
+    with pytest.raises((CheckpointException, OSError)):
+        save(_state(seed=8), directory, make_writer(overwrite=True, engine=engine))
+    assert sorted(p.name for p in directory.glob("*.distcp")) == distcp
+    loaded = blank_like(expected_theirs)
+    dcp.load(loaded, storage_reader=FileSystemReader(directory), no_dist=True)
+    assert_state_equal(loaded, expected_theirs)
+
+    new = _state(seed=9)
+    expected = clone_state(new)
+    save(new, directory, make_writer(overwrite=True))
+    (data,) = data_files(directory)
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [".metadata", LOCK_NAME, data.name])
+    assert_state_equal(load_into(expected, directory), expected)
+
+
 # -- loading what is not a (whole) checkpoint ----------------------------------------------------
 @pytest.mark.parametrize("exists", [True, False])
 def test_load_without_metadata(tmp_path: Path, exists: bool) -> None:

@@ -141,3 +141,35 @@ def test_dcp_default_reader_raises_use_datastates_reader(tmp_path: Path, make_wr
     with pytest.raises(CheckpointError, match=re.escape(HINT)):
         planner.create_local_plan()
     assert HINT in repr(metadata)
+
+
+URL_ERROR = ("checkpoint directory 's3://bucket/ckpt' is a URL: dcp_datastates saves to and "
+             "loads from a file system path (local or mounted)")
+
+
+def test_a_url_is_refused_not_written_as_a_local_directory(
+    tmp_path: Path, make_writer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``checkpoint_id="s3://bucket/ckpt"`` once saved into ``./s3:/bucket/ckpt``: the writer
+    and the reader refuse URLs, saying why, whichever way they are given; nothing is
+    written, and the snapshot an async save staged is released."""
+    monkeypatch.chdir(tmp_path)
+    url = "s3://bucket/ckpt"
+    state = {"w": torch.arange(4.0)}
+    writer = make_writer()
+    with raises_in_dcp(ValueError, re.escape(URL_ERROR)):
+        dcp.save(state, checkpoint_id=url, storage_writer=writer, no_dist=True)
+    response = dcp.async_save(state, checkpoint_id=url, storage_writer=make_writer(),
+                              no_dist=True)
+    with raises_in_dcp(ValueError, re.escape(URL_ERROR)):
+        response.upload_completion.result(timeout=60)
+    assert writer.engine.live_leases() == 0
+    with raises_in_dcp(ValueError, re.escape(URL_ERROR)):
+        dcp.load(blank_like(state), checkpoint_id=url, storage_reader=DataStatesReader(),
+                 no_dist=True)
+    for cls in (DataStatesWriter, DataStatesReader):
+        with pytest.raises(ValueError, match=re.escape(URL_ERROR)):
+            cls(url)
+        assert not cls.validate_checkpoint_id(url)
+    assert DataStatesWriter.validate_checkpoint_id(str(tmp_path / "s3"))
+    assert list(tmp_path.iterdir()) == []

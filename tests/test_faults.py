@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import os
 import re
 import subprocess
@@ -27,9 +28,10 @@ from conftest import (
     run_then_kill,
     save,
 )
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates import DataStatesWriter
+from dcp_datastates import DataStatesWriter, Engine, cli
 
 MiB = 1 << 20
 TESTS = Path(__file__).resolve().parent
@@ -119,6 +121,77 @@ def test_sigkill_mid_save_into_fresh_directory_is_refused(tmp_path: Path) -> Non
         rf"{re.escape(str(directory))} is not a checkpoint: \.metadata is missing",
     ):
         load_into({"big": torch.zeros(8 << 20, dtype=torch.uint8), "step": 0}, directory)
+
+
+# -- SIGKILL in the middle of an export ----------------------------------------------------------
+_EXPORT_CHILD = textwrap.dedent(
+    """
+    import sys, threading
+    sys.path.insert(0, {tests!r})
+    from fakes import FaultyBackend
+    from dcp_datastates import Engine, cli
+    from dcp_datastates.io import ThreadPoolBackend
+
+    ckpt, out, reads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    backend = FaultyBackend(ThreadPoolBackend(), hold_reads_after=reads)
+
+    def announce():
+        backend.reads_held.wait()
+        print("EXPORTING", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    engine = Engine(io_backend=backend, host_cache_size="4MiB", io_workers=2)
+    cli.main(["export", "-q", ckpt, out, "--max-shard-size", "300KiB"], engine=engine)
+    print("FINISHED", flush=True)
+    """
+)
+
+
+def _model(seed: int) -> dict:
+    """Three 256 KiB tensors: an export of ``--max-shard-size 300KiB`` writes a shard each."""
+    return {f"layer{k}": rand_tensor((64 << 10,), torch.float32, seed=seed + k)
+            for k in range(3)}
+
+
+def _export(ckpt: Path, out: Path, engine: Engine) -> None:
+    assert cli.main(["export", "-q", str(ckpt), str(out), "--max-shard-size", "300KiB"],
+                    engine=engine) == 0
+
+
+def _model_files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in out.iterdir()
+            if p.name.startswith("model") and p.is_file()}
+
+
+def test_sigkill_mid_export_leaves_the_old_export_whole(tmp_path: Path, make_writer,
+                                                         faulty_engine) -> None:
+    """An export killed while it reads its last shard's tensor, into a directory that holds
+    an earlier export of another checkpoint: the directory still holds that export whole
+    (never new shards under the old index); the next export replaces it and removes what the
+    killed one left."""
+    old_ckpt, new_ckpt, out = tmp_path / "old", tmp_path / "new", tmp_path / "hf"
+    save(_model(1), old_ckpt, make_writer())
+    new = _model(10)
+    expected_new = clone_state(new)
+    save(new, new_ckpt, make_writer())
+    engine, counting = faulty_engine()
+    _export(old_ckpt, out, engine)
+    old_files = _model_files(out)
+    assert len(old_files) == 4, sorted(old_files)  # three shards and the index
+    reads = counting.reads
+
+    run_then_kill([sys.executable, "-c", _EXPORT_CHILD.format(tests=str(TESTS)), str(new_ckpt),
+                   str(out), str(reads - 1)], "EXPORTING", tmp_path / "export.stderr", ROOT)
+    assert _model_files(out) == old_files
+
+    _export(new_ckpt, out, engine)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["model.safetensors.index.json", *set(index["weight_map"].values())])
+    got: dict = {}
+    for shard in set(index["weight_map"].values()):
+        got |= load_file(out / shard)
+    assert_state_equal(got, expected_new)
 
 
 # -- a full disk ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -219,3 +220,33 @@ def test_header_with_a_duplicate_key_is_caught(
     assert f"file {file.name}: header has the key 'w' twice" in err
     with raises_in_dcp(CheckpointCorruptError, r"header has the key 'w' twice"):
         load_into(expected, directory)
+
+
+@pytest.mark.parametrize(("dims", "named"), [
+    ([10**1000] * 1000, "shape [<an integer of 3322 bits>, <an integer of 3322 bits>"),
+    ([2**40] * 50_000, "shape [1099511627776, 1099511627776"),
+], ids=["1000 dims of 1000 digits", "50000 dims of 2**40"])
+def test_header_shape_of_many_large_dims_fails_at_once(
+    checkpoint, capsys: pytest.CaptureFixture[str], dims: list[int], named: str
+) -> None:
+    """A header of a megabyte or so whose entry has a shape of many large dimensions (their
+    product alone takes minutes): ``verify`` and a load refuse it within a second, naming the
+    file, the entry and its shape, before multiplying them out."""
+    directory, file, expected = checkpoint
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["w"]["shape"] = dims
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    file.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+    assert len(body) > 400_000
+    why = f"file {file.name}: entry 'w' has {W_BYTES} data bytes where its dtype F32 and {named}"
+    start = time.monotonic()
+    code, err = _verify(directory, capsys)
+    assert time.monotonic() - start < 1.0
+    assert code == 1 and why in err, err
+    start = time.monotonic()
+    with raises_in_dcp(CheckpointCorruptError, re.escape(why)):
+        load_into(expected, directory)
+    assert time.monotonic() - start < 1.0

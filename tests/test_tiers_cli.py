@@ -9,6 +9,7 @@ multi-rank cases) that commit into the memory tier and are then killed with SIGK
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,39 @@ def test_uncommitted_and_damaged_steps_are_refused(tiers: Tiers, engine: Engine,
     assert code == 0 and out.startswith("persisted step 5 "), err
     assert f"note: {tiers.memory / 'step_6'} was never committed" in err
     assert_state_equal(load_into(one_step, tiers.durable / "step_5"), one_step)
+
+
+def test_a_persist_resumed_after_a_kill_in_its_commit_leaves_no_temporary(
+        tiers: Tiers, engine: Engine, one_step: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """A persist killed while it wrote the step's ``.metadata`` leaves a
+    ``.metadata.tmp.<token>``: the persist that resumes it removes it once it has committed."""
+    target = tiers.durable / "step_5"
+    target.mkdir(parents=True)
+    (target / ".metadata.tmp.0123456789abcdef").write_bytes(b"a commit that was killed")
+    code, out, err = persist(capsys, engine, tiers.memory, tiers.durable)
+    assert code == 0 and out.startswith("persisted step 5 "), err
+    (data,) = data_files(target)
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        [".dcp_datastates.lock", ".metadata", data.name])
+    assert_state_equal(load_into(one_step, target), one_step)
+
+
+@pytest.mark.parametrize(("world", "named"), [
+    (10**12, "world_size 1000000000000 is not a number of ranks (1 to 1048576)"),
+    (0, "world_size 0 is not a number of ranks (1 to 1048576)"),
+])
+def test_a_tier_record_of_a_huge_job_fails_at_once(
+        tiers: Tiers, engine: Engine, one_step: dict, capsys: pytest.CaptureFixture[str],
+        world: int, named: str) -> None:
+    """A ``.tier.json`` that says the job has 10**12 ranks (listing the ranks it lacks would
+    never end): refused within a second, naming the file and the field; nothing written."""
+    record = tiers.memory / "step_5" / ".tier.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "world_size": world}))
+    start = time.monotonic()
+    code, out, err = persist(capsys, engine, tiers.memory, tiers.durable)
+    assert time.monotonic() - start < 1.0
+    assert (code, out, err) == (1, "", f"error: {record}: {named}\n")
+    assert not tiers.durable.exists()
 
 
 def test_persist_into_a_torchtitan_folder(tiers: Tiers, engine: Engine, one_step: dict,

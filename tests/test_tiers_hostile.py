@@ -274,7 +274,7 @@ def test_a_load_fails_where_its_step_is_dropped_and_its_slot_reused_meanwhile(
     checkpoint was replaced, with or without checksums: it never hands step 3's bytes out as
     step 1's, nor calls them corrupt."""
     states = {s: make_state(s, big=MiB) for s in (1, 2, 3)}
-    io = FaultyBackend(ThreadPoolBackend(), read_gated=True)
+    io = FaultyBackend(ThreadPoolBackend(), hold_reads_after=0)
     reader_engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=2)
     errors: list[BaseException] = []
 
@@ -294,7 +294,7 @@ def test_a_load_fails_where_its_step_is_dropped_and_its_slot_reused_meanwhile(
             inode = slot_file.stat().st_ino
             reader = threading.Thread(target=load_step_1)
             reader.start()
-            assert io.read_started.wait(30), "the load never read"
+            assert io.reads_held.wait(30), "the load never read"
             for step in (2, 3):
                 manager.save(step, states[step]).result(timeout=30)
                 manager.wait()

@@ -22,15 +22,25 @@ from ..errors import CheckpointCorruptError
 from ..file_format import SAFETENSORS_DTYPES, ItemSpec, export_header
 from ..sizes import format_size, parse_size
 from .arguments import add_command, add_quiet, cli_path, command_engine
-from .checkpoint import Chunk, dtype_name, file_size, load_checkpoint, tiling_problems, where
+from .checkpoint import (
+    Chunk,
+    chunk_spec,
+    dtype_name,
+    file_size,
+    load_checkpoint,
+    tiling_problems,
+    where,
+)
 from .output import OutputDir, inside
 from .progress import Progress
 from .reads import BATCH_BYTES, Planner, batches, chunk_reads, read
 
-#: What an export writes: a previous export's files of these names, not written again, go.
+#: What an export writes: a previous export's files of these names go.
 EXPORT_NAMES = re.compile(
     r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 INDEX_NAME = "model.safetensors.index.json"
+#: The files a loader opens first (the others are shards the index names).
+ENTRY_NAMES = frozenset({"model.safetensors", INDEX_NAME})
 
 
 @dataclass
@@ -112,15 +122,23 @@ def _select(md: Metadata, prefix: str) -> dict[str, str]:
     return selected
 
 
-def _check_data_files(path: Path, chunks: list[Chunk]) -> None:
-    """Refuse, naming a chunk there, a data file that is missing or not a regular file."""
-    seen: set[str] = set()
+def _check_chunks(path: Path, md: Metadata, chunks: list[Chunk]) -> None:
+    """Refuse, naming it, a chunk whose bytes ``.metadata`` does not describe as its shape's,
+    or whose data file is missing, not a regular file or too short for it: before any tensor
+    is allocated (a shape declared in ``.metadata`` is no reason to allocate it)."""
+    sizes: dict[str, int] = {}
     for c in chunks:
-        if c.loc.file not in seen:
-            seen.add(c.loc.file)
-            _, problem = file_size(path / c.loc.file)
+        chunk_spec(path, md, c)
+        if c.loc.file not in sizes:
+            size, problem = file_size(path / c.loc.file)
             if problem is not None:
                 raise CheckpointCorruptError(f"{path}: {where(c)}: the data file {problem}")
+            sizes[c.loc.file] = size
+        end = c.loc.offset + c.loc.length
+        if end > sizes[c.loc.file]:
+            raise CheckpointCorruptError(
+                f"{path}: {where(c)}: truncated: needs file bytes {c.loc.offset}..{end}, the "
+                f"data file has {sizes[c.loc.file]}")
 
 
 def _specs(md: Metadata, fqns: dict[str, str]) -> dict[str, ItemSpec]:
@@ -150,10 +168,10 @@ def _write(src: _Source, out: OutputDir, max_bytes: int) -> list[str]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write full tensors as Hugging Face-style safetensors file(s)."""
-    path, out = cli_path(args.path), OutputDir(cli_path(args.out))
+    path, out_path = cli_path(args.path), cli_path(args.out)
     max_bytes = parse_size(args.max_shard_size, name="--max-shard-size")
-    if inside(out.path, path):
-        print(f"error: output directory {out.path} is inside the checkpoint directory {path}: "
+    if inside(out_path, path):
+        print(f"error: output directory {out_path} is inside the checkpoint directory {path}: "
               f"export elsewhere", file=sys.stderr)
         return 1
     md, chunks = load_checkpoint(path)
@@ -163,22 +181,22 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 1
     if problems := tiling_problems(path, md, fqns.values()):
         raise CheckpointCorruptError("\n  ".join(problems))
-    _check_data_files(path, [c for fqn in fqns.values() for c in chunks.get(fqn, [])])
+    _check_chunks(path, md, [c for fqn in fqns.values() for c in chunks.get(fqn, [])])
     specs = _specs(md, fqns)
     total = sum(spec.nbytes for spec in specs.values())
-    out.create()
-    progress = Progress(total, "exporting", not args.quiet)
-    try:
-        with command_engine(args) as engine:
-            src = _Source(engine, path, md, fqns, specs, not args.no_verify, progress)
-            names = _write(src, out, max_bytes)
-    finally:
-        progress.close()
-    if stale := out.remove_stale(EXPORT_NAMES):
-        print(f"note: removed {len(stale)} file(s) of an earlier export from {out.path}: "
+    with OutputDir(out_path) as out:
+        progress = Progress(total, "exporting", not args.quiet)
+        try:
+            with command_engine(args) as engine:
+                src = _Source(engine, path, md, fqns, specs, not args.no_verify, progress)
+                names = _write(src, out, max_bytes)
+        finally:
+            progress.close()
+        stale = out.publish(EXPORT_NAMES, ENTRY_NAMES)
+    if stale:
+        print(f"note: removed {len(stale)} file(s) of an earlier export from {out_path}: "
               f"{', '.join(stale)}", file=sys.stderr)
-    out.sync()
-    print(f"exported {len(fqns)} tensors, {total} bytes ({format_size(total)}) to {out.path} "
+    print(f"exported {len(fqns)} tensors, {total} bytes ({format_size(total)}) to {out_path} "
           f"in {len(names)} file(s): {', '.join(names)}")
     return 0
 

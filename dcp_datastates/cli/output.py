@@ -1,57 +1,114 @@
-"""The directory an export writes, made durable: each file under a temporary name, fsynced,
-then renamed into place; the directory fsynced once its names are final."""
+"""The directory an export writes, replaced whole or not at all.
+
+The new files are written into a staging directory inside it (each under a temporary name,
+fsynced, then renamed), then moved into place: first the previous export's files go, its
+entry files (``model.safetensors``, the index) before its shards; then the new shards come,
+the new entry file last, with the directory synced between the steps. So at every moment,
+through any crash, the directory holds the previous export whole, the new one whole, or no
+entry file (no model a loader takes): never new shards under an old index. One export writes
+into a directory at a time (an ``flock`` on the directory itself); the next one removes what a
+killed one left in its staging directory.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
-from collections.abc import Callable, Iterable
+import shutil
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
-from ..directory import new_token, write_new
+from ..directory import fsync_dir, new_token, write_new
+
+#: Staging directories of exports: ``.export-<token>``.
+_STAGING_RE = re.compile(r"^\.export-[0-9a-f]+$")
 
 
 class OutputDir:
-    """Files written into ``path``, durably. ``fsync`` syncs an open descriptor (a file's,
-    then each directory's whose entries changed); tests pass one that records."""
+    """Files written into ``path``, put in place together, durably. ``fsync`` syncs an open
+    descriptor (a file's, then each directory's whose entries changed); tests pass one that
+    records. A context manager: :meth:`create` on entry, :meth:`close` on exit."""
 
     def __init__(self, path: Path, fsync: Callable[[int], None] = os.fsync) -> None:
         self.path = path
         self.written: list[str] = []
         self._fsync = fsync
         self._made: list[Path] = []  # directories this export made, the outermost last
+        self._fd = -1  # the directory, locked
+        self._staging: Path | None = None
+
+    def __enter__(self) -> OutputDir:
+        self.create()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def create(self) -> None:
-        """Make the directory (and missing parents)."""
+        """Make the directory (and missing parents), claim it, remove what killed exports
+        left in it, and make this export's staging directory."""
+        if os.path.lexists(self.path) and not self.path.is_dir():
+            raise NotADirectoryError(f"output directory {self.path} exists and is not a "
+                                     f"directory: give a directory (it is made if missing)")
         self._made = [d for d in (self.path, *self.path.parents) if not d.exists()]
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:  # the same class, saying what was being made
+            raise type(exc)(f"cannot make the output directory {self.path}: "
+                            f"{exc.strerror}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.close()
+            raise OSError(f"output directory {self.path} is being written by another export: "
+                          f"wait for it to finish or export elsewhere") from None
+        for p in self.path.iterdir():
+            if _STAGING_RE.match(p.name) and not p.is_symlink():
+                shutil.rmtree(p)
+        self._staging = self.path / f".export-{new_token()}"
+        self._staging.mkdir()
 
     def write(self, name: str, parts: Iterable[bytes | memoryview]) -> None:
-        """Write file ``name`` from ``parts``: under a temporary name, fsynced, then renamed
-        into place, so whatever sat at the name (a link, a FIFO) is replaced, never written
-        through, and no half-written file ever has the name."""
-        dest = self.path / name
-        tmp = dest.with_name(f".{name}.{new_token()}.tmp")
-        write_new(tmp, dest, parts, self._fsync)
+        """Write file ``name`` from ``parts`` into the staging directory: under a temporary
+        name, fsynced, then renamed."""
+        assert self._staging is not None, "create() first"
+        write_new(self._staging / f".{name}.tmp", self._staging / name, parts, self._fsync)
         self.written.append(name)
 
-    def remove_stale(self, names: re.Pattern[str]) -> list[str]:
-        """Delete files matching ``names`` that this export did not write (an earlier
-        export's); return their names."""
-        stale = sorted(p.name for p in self.path.iterdir()
-                       if names.match(p.name) and p.name not in self.written)
-        for name in stale:
-            (self.path / name).unlink(missing_ok=True)
-        return stale
-
-    def sync(self) -> None:
-        """Make the directory's entries durable, and those of the parents it was made in."""
+    def publish(self, replaced: re.Pattern[str], entries: Collection[str]) -> list[str]:
+        """Put the written files in place of the files matching ``replaced`` (the previous
+        export's): those go first, the ones named in ``entries`` before the rest; then the
+        written files come, those in ``entries`` last. Returns the names that went and were
+        not written again."""
+        assert self._staging is not None, "create() first"
+        fsync_dir(self._staging, self._fsync)
+        old = sorted((p.name for p in self.path.iterdir() if replaced.match(p.name)),
+                     key=lambda n: n not in entries)
+        for name in old:
+            (self.path / name).unlink()
+        fsync_dir(self.path, self._fsync)
+        new = sorted(self.written, key=lambda n: n in entries)
+        for name in new:
+            if name in entries:
+                fsync_dir(self.path, self._fsync)  # the shards are in place before it
+            os.rename(self._staging / name, self.path / name)
         for d in (self.path, *(made.parent for made in self._made)):
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                self._fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(d, self._fsync)
+        self._staging.rmdir()
+        self._staging = None
+        return [n for n in old if n not in self.written]
+
+    def close(self) -> None:
+        """Remove the staging directory, if the files were not published, and give the
+        directory up (idempotent)."""
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+        if self._fd >= 0:
+            os.close(self._fd)  # the lock goes with it
+            self._fd = -1
 
 
 def inside(out: Path, path: Path) -> bool:
