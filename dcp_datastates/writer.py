@@ -145,8 +145,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if checkpoint_id is not None:
             self.path = Path(os.path.expanduser(checkpoint_id))
         job = self._staged.take()
-        if job is None:
-            job = self._last = new_save_job(self.engine)  # a plain save
+        if job is None:  # a plain save: no snapshot, nothing for the training to wait for
+            job = self._last = new_save_job(self.engine)
+            job.copied.set()
         self._running[threading.get_ident()] = job
         try:
             job.claim()

@@ -5,6 +5,7 @@ before them fails the save naming the tensor (never a torn checkpoint)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import MARKS, assert_state_equal, clone_state, load_into
 from fakes import HeldSettles
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dcp_datastates import CheckpointError, DataStatesWriter, Engine, cli
@@ -140,3 +142,41 @@ def to_cpu(obj: object) -> object:
     if isinstance(obj, list):
         return [to_cpu(v) for v in obj]
     return obj
+
+
+@pytest.mark.parametrize("how", ["dcp_default_stager", "save_on_a_thread"])
+def test_optimizer_step_does_not_wait_for_a_save_that_staged_no_snapshot(
+        faulty_engine, tmp_path: Path, how: str) -> None:
+    """A save whose state the engine does not snapshot (DCP's own stager copied it, or a
+    plain ``dcp.save`` runs on another thread) gives the optimizer step nothing to wait for:
+    the step goes on while that save's writes are held."""
+    engine, backend = faulty_engine()
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    state = {"model": model.state_dict()}
+    dcp.async_save(state, checkpoint_id=tmp_path / "a", no_dist=True,  # the engine's hook is on
+                   storage_writer=DataStatesWriter(engine=engine)).upload_completion.result(
+        timeout=TIMEOUT)
+    backend.gate.clear()  # the disk stalls
+    before = clone_state(state)
+    writer = DataStatesWriter(engine=engine)
+    if how == "dcp_default_stager":
+        done = dcp.async_save(state, checkpoint_id=tmp_path / "b", no_dist=True,
+                              storage_writer=writer,
+                              async_stager=DefaultStager(StagingOptions(False, False, False,
+                                                                        False)))
+        done = getattr(done, "upload_completion", done)
+    else:
+        done = ThreadPoolExecutor(1).submit(dcp.save, state, checkpoint_id=tmp_path / "b",
+                                            no_dist=True, storage_writer=writer)
+    try:
+        assert backend.write_started.wait(TIMEOUT)
+        model(torch.randn(4, 64)).sum().backward()
+        stepped = ThreadPoolExecutor(1).submit(opt.step)
+        stepped.result(timeout=5)  # raises TimeoutError where the step waits for the disk
+    finally:
+        backend.gate.set()
+    done.result(timeout=TIMEOUT)
+    if how == "dcp_default_stager":  # DCP's stager copied the state in the call
+        got = load_into(clone_state(before), tmp_path / "b")
+        assert all(torch.equal(got["model"][k], v) for k, v in before["model"].items())
