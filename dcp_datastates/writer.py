@@ -143,8 +143,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a save: take the staged job it belongs to (or a new one), wait for its turn."""
         job = self._staged.take()
-        if job is None:
-            job = self._last = new_save_job(self.engine)  # a plain save
+        if job is None:  # a plain save: no snapshot, nothing for the training to wait for
+            job = self._last = new_save_job(self.engine)
+            job.copied.set()
         self._running[threading.get_ident()] = job
         try:
             if checkpoint_id is not None:

@@ -144,3 +144,25 @@ def test_an_in_place_op_on_a_dtensor_is_seen_by_the_write_watch(
     with torch.no_grad():
         d.add_(1.0)
     assert watch.changed() == [0]
+
+
+def test_an_in_place_op_on_a_dtensors_local_tensor_is_seen_by_the_write_watch(
+        meshes: tuple[DeviceMesh, DeviceMesh]) -> None:
+    """An update of the local shard itself (``to_local()``, as optimizers that work on shards
+    do) bumps the local tensor's version counter only: the watch must read it too."""
+    d = state_of(meshes)["fsdp_uneven"]
+    watch = WriteWatch({0: d})
+    with torch.no_grad():
+        d.to_local().add_(1.0)
+    assert watch.changed() == [0]
+
+
+@pytest.mark.xfail(strict=True, reason="torch's in-place foreach ops on DTensors bump no "
+                   "version counter, the DTensor's or its local tensor's")
+def test_an_in_place_foreach_op_on_a_dtensor_is_seen_by_the_write_watch(
+        meshes: tuple[DeviceMesh, DeviceMesh]) -> None:
+    d = state_of(meshes)["fsdp_uneven"]
+    watch = WriteWatch({0: d})
+    with torch.no_grad():
+        torch._foreach_add_([d], 1.0)
+    assert watch.changed() == [0]

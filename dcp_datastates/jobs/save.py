@@ -10,7 +10,9 @@ one is judged in one place: ``jobs/ordering.py``. The flush is ``jobs/flush.py``
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -112,7 +115,7 @@ class SaveJob:
         self.snapshot: Snapshot | None = None  # the staged snapshot (async saves)
         self.leases: list[Lease] = []
         self.writes = WriteWatch({})  # writes to the sources before their copies (async saves)
-        self.began_distributed = False  # staged under a process group of several ranks
+        self.began_distributed = False  # staged for a save across several ranks
         self._claim: DirectoryClaim | None = None
         self._lock = threading.RLock()
         self._ended = self._in_flight = False  # in flight: copies issued, not waited for
@@ -126,13 +129,13 @@ class SaveJob:
         event; the GPU copies run on the engine's staging thread.
         """
         self.tie.stager = threading.current_thread()
-        self.began_distributed = _distributed()
+        self.began_distributed = _staged_for_distributed_save()
         sources: list[torch.Tensor] = []
         dtensors: dict[int, DTensor] = {}
         try:
             skeleton = walk(state_dict, sources, {}, dtensors)
             keep_still(sources, skeleton)
-            # an in-place op on a DTensor bumps its own version counter, not its local's
+            # a DTensor itself: an op on it bumps its own counter, not its local's
             self.writes = WriteWatch({i: dtensors.get(i, t) for i, t in enumerate(sources)
                                       if t.is_cuda})
             devices = {t.device.index for t in sources if t.is_cuda}
@@ -445,3 +448,19 @@ def _note_staged(stats: SaveStats, staged: list[torch.Tensor], overflow: int,
 def _distributed() -> bool:
     """Whether a process group of several ranks is up in this process."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+_ASYNC_SAVE = inspect.unwrap(state_dict_saver.async_save).__code__
+
+
+def _staged_for_distributed_save() -> bool:
+    """Whether the snapshot staged now is for a save DCP runs across a process group of several
+    ranks: staged by ``dcp.async_save`` without ``no_dist`` while such a group is up. Others
+    (``no_dist=True``, a CheckpointManager's memory-tier saves) are each rank's own checkpoint,
+    whatever becomes of the group."""
+    if not _distributed():
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _ASYNC_SAVE:
+        frame = frame.f_back
+    return frame is not None and not frame.f_locals.get("no_dist", False)
