@@ -127,7 +127,9 @@ def test_fsdp2_saves_as_dcp_idiom_and_loads_bit_exact(world: World, shared: Path
     slack = SLACK * sum(t.numel() * t.element_size() for t in saved.values())
     path = shared / "ckpt"
     errors: list[str] = []
-    warm_host_cache(state, shared / "warm")
+    with collecting(errors, "a first save"):
+        warm_host_cache(state, shared / "warm")
+    agree(errors, "a first FSDP2 save with DataStatesWriter()")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -165,7 +167,7 @@ def warm_host_cache(state: dict, path: Path) -> None:
     """A save of ``state`` (then the host cache of the process's engine fits it): the first
     save of a process copies its snapshot aside, on the GPU, while that cache is made."""
     dcp.async_save(state, checkpoint_id=path, storage_writer=DataStatesWriter()) \
-        .upload_completion.result()
+        .upload_completion.result(timeout=120)
 
 
 def test_fsdp2_staged_state_stays_in_host_memory(world: World, shared: Path) -> None:
@@ -174,7 +176,9 @@ def test_fsdp2_staged_state_stays_in_host_memory(world: World, shared: Path) -> 
     model, opt = build(torch.float32, sharded=True)
     state = state_of(model, opt)
     errors: list[str] = []
-    warm_host_cache(state, shared / "warm")
+    with collecting(errors, "a first save"):
+        warm_host_cache(state, shared / "warm")
+    agree(errors, "a first FSDP2 save with DataStatesWriter()")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
