@@ -127,12 +127,7 @@ def test_fsdp2_saves_as_dcp_idiom_and_loads_bit_exact(world: World, shared: Path
     slack = SLACK * sum(t.numel() * t.element_size() for t in saved.values())
     path = shared / "ckpt"
     errors: list[str] = []
-    with collecting(errors, "a first save"):
-        warm_host_cache(state, shared / "warm")
-    agree(errors, "a first FSDP2 save with DataStatesWriter()")
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    before = after_a_first_save(state, shared / "warm", errors)
     resp = None
     with collecting(errors, f"{how} save"):
         try:
@@ -163,11 +158,17 @@ def test_fsdp2_saves_as_dcp_idiom_and_loads_bit_exact(world: World, shared: Path
     agree(errors, f"{world.size} -> {world.size} GPUs, every rank's shards bit for bit")
 
 
-def warm_host_cache(state: dict, path: Path) -> None:
-    """A save of ``state`` (then the host cache of the process's engine fits it): the first
-    save of a process copies its snapshot aside, on the GPU, while that cache is made."""
-    dcp.async_save(state, checkpoint_id=path, storage_writer=DataStatesWriter()) \
-        .upload_completion.result(timeout=120)
+def after_a_first_save(state: dict, path: Path, errors: list[str]) -> int:
+    """Save ``state`` once (the first save of a process copies its snapshot aside, on the
+    GPU, while the engine's host cache is made), then start counting GPU memory: the bytes
+    allocated now (the peak is reset)."""
+    with collecting(errors, "a first save"):
+        dcp.async_save(state, checkpoint_id=path, storage_writer=DataStatesWriter()) \
+            .upload_completion.result(timeout=120)
+    agree(errors, "a first FSDP2 save with DataStatesWriter()")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 def test_fsdp2_staged_state_stays_in_host_memory(world: World, shared: Path) -> None:
@@ -176,12 +177,7 @@ def test_fsdp2_staged_state_stays_in_host_memory(world: World, shared: Path) -> 
     model, opt = build(torch.float32, sharded=True)
     state = state_of(model, opt)
     errors: list[str] = []
-    with collecting(errors, "a first save"):
-        warm_host_cache(state, shared / "warm")
-    agree(errors, "a first FSDP2 save with DataStatesWriter()")
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    before = after_a_first_save(state, shared / "warm", errors)
     writer = DataStatesWriter()
     try:
         staged = writer.stage(state).result(timeout=120)
