@@ -148,7 +148,8 @@ def run_tiers(args: argparse.Namespace, root: Path) -> None:
         figures = manager.history
         persisted = [f.step for f in figures if f.persist_s is not None]
         print(f"tiers: {len(figures)} checkpoints into memory, steps {persisted} persisted "
-              f"while training ran; memory keeps {sorted(p.name for p in memory.iterdir())}")
+              f"while training ran; memory keeps "
+              f"{sorted(p.name for p in memory.glob('step_*'))}")
         model2, opt2 = make_run(seed=123)
         state = app_state(model2, opt2, 0)
         again = CheckpointManager(root / "tiers", memory_dir=memory)  # a restarted process
