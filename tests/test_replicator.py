@@ -78,3 +78,36 @@ def test_saves_during_an_exchange_are_not_replicated_and_never_wait(tmp_path: Pa
     finally:
         exchange.gate.set()
         replicator.close()
+
+
+def test_the_newest_step_sent_goes_with_the_run_that_was_left(tmp_path: Path) -> None:
+    """The newest step replicated is kept in memory until a newer one is sent, but not once
+    training leaves it: going back past it, or saving it again, removes it like the other steps
+    of that run, so a restart never takes it for the newest step."""
+    memory = tmp_path / "memory"
+    exchange = HeldExchange()
+    exchange.gate.set()
+    one = Ranks(0, 1, None)
+    retention = Retention(memory, None, None, one)
+    replicator = Replicator(one, one, retention, keep=1, exchange=exchange)
+    try:
+        for step in (1, 2, 3):
+            handle = committed_step(memory, step)
+            replicator.decide(handle)
+            replicator.committed(handle)
+            replicator.drain()
+        assert exchange.sent == [1, 2, 3]
+        retention.set_aside(1)  # load(step=1), then a save: steps 2 and 3 belong to the past
+        assert committed_steps(memory) == [1]
+        retention.retain(memory, 1)
+        assert committed_steps(memory) == [1]
+
+        handle = committed_step(memory, 2)
+        replicator.decide(handle)
+        replicator.committed(handle)
+        replicator.drain()
+        assert exchange.sent == [1, 2, 3, 2]
+        retention.replace(2)  # step 2 saved again: its old copy goes, sent or not
+        assert committed_steps(memory) == [1]
+    finally:
+        replicator.close()

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from test_tiers import ROOT, make_state, steps_in
 from test_tiers_cli import persist
 
 from dcp_datastates import CheckpointError, CheckpointManager, Engine
-from dcp_datastates.tiers.claims import claimed
+from dcp_datastates.tiers.claims import claimed, claimed_durable
 from dcp_datastates.tiers.private import user_root
 
 pytestmark = MARKS
@@ -152,6 +153,66 @@ def test_cli_persist_refused_by_another_persist_names_it(tiers: Tiers, engine: E
     assert code == 1, (out, err)
     assert (f"memory tier {tiers.memory} is in use by a `python -m dcp_datastates persist` "
             f"command (pid {os.getpid()}") in err, err
+    assert steps_in(tiers.durable) == []
+
+
+def test_cli_persist_into_a_durable_tier_a_manager_holds_is_refused(
+        tiers: Tiers, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``persist`` command into a durable tier that a running manager holds is refused,
+    naming the manager and its pid, and writes nothing there: a dead job's step (of a higher
+    number) would otherwise land among the running job's steps, and retention would prune
+    the running job's own steps for it."""
+    dead = tiers.scratch / "dead_job"
+    with CheckpointManager(None, memory_dir=dead, persist=None, engine=engine) as manager:
+        manager.save(9, make_state(9)).result(timeout=30)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine) as manager:
+        manager.save(1, make_state(1)).result(timeout=30)
+        manager.wait()
+        code, out, err = persist(capsys, engine, dead, tiers.durable)
+    assert code == 1, (out, err)
+    assert (f"durable tier {tiers.durable} is in use by another CheckpointManager (pid "
+            f"{os.getpid()}") in err, err
+    assert steps_in(tiers.durable) == [1]
+
+
+def test_cli_persists_into_one_durable_tier_take_turns(
+        tiers: Tiers, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another ``persist`` command holding the durable tier (a ``--partial`` run of another
+    node) is waited for, not refused."""
+    with CheckpointManager(None, memory_dir=tiers.memory, persist=None, engine=engine) as manager:
+        manager.save(4, make_state(4)).result(timeout=30)
+    tiers.durable.mkdir(parents=True)
+    held, let_go = threading.Event(), threading.Event()
+
+    def other_command() -> None:
+        with claimed_durable(tiers.durable):
+            held.set()
+            let_go.wait(30)
+
+    other = threading.Thread(target=other_command)
+    other.start()
+    try:
+        assert held.wait(30)
+        threading.Timer(0.5, let_go.set).start()
+        code, out, err = persist(capsys, engine, tiers.memory, tiers.durable)
+    finally:
+        let_go.set()
+        other.join(30)
+    assert code == 0, (out, err)
+    assert steps_in(tiers.durable) == [4]
+
+
+def test_cli_persist_into_a_durable_tier_others_may_write_is_refused(
+        tiers: Tiers, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ``persist`` command checks the durable tier as a manager does: one its group may
+    write is refused, saying so, and nothing is written there."""
+    with CheckpointManager(None, memory_dir=tiers.memory, persist=None, engine=engine) as manager:
+        manager.save(3, make_state(3)).result(timeout=30)
+    tiers.durable.mkdir(parents=True)
+    os.chmod(tiers.durable, 0o775)
+    code, out, err = persist(capsys, engine, tiers.memory, tiers.durable)
+    assert code == 1, (out, err)
+    assert f"durable tier {tiers.durable} is writable by its group (mode 0775)" in err, err
     assert steps_in(tiers.durable) == []
 
 

@@ -30,8 +30,9 @@ the ranks spread over several nodes and no replicas, run it on each node with
 
 Files and sizes are checked before anything is written; every checksum as each
 part is copied (a damaged part is refused and the step not committed). Run it
-when no job is using these directories (a manager or another persist holding a
-memory tier is named, with its pid, and refused); a memory tier another user
+when no job is using these directories (a manager holding a memory tier or the
+durable tier, or another persist holding a memory tier, is named, with its pid,
+and refused; persists into one durable tier take turns); a tier another user
 owns or may write is refused. Exits 0 when the step is persisted or nothing
 was needed, 1 (naming the path) for a missing directory, a step not
 committed, a rank missing or damaged (naming the file and the item whose

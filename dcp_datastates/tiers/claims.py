@@ -10,6 +10,9 @@ parent, and nothing is left beside it. The lock file holds the holder's pid and 
 CheckpointManager, the ``persist`` command); a second one, in another process or in the same
 one, fails naming the directory, the holder and its pid, on every rank.
 
+The ``persist`` command claims the memory tiers it reads and the durable tier it writes;
+``persist`` commands on one durable tier (one per node, ``--partial``) take turns there.
+
 Before a tier is claimed it is made if need be and checked (:mod:`.private`: owned by this
 user, writable by no one else), and it must be writable where the holder is to write it: a
 durable tier a manager only loads from (``persist=None``) may be read-only, and is then not
@@ -35,6 +38,8 @@ log = logging.getLogger("dcp_datastates")
 LOCK_NAME = ".dcp_datastates-tier.lock"
 #: How long a refused claim waits for the holder's pid to be in its lock file.
 PID_WAIT_S = 1.0
+#: How often a ``persist`` command looks again for its turn on a durable tier.
+TURN_WAIT_S = 0.1
 #: What holds a claim, as the error of a refused one names it.
 MANAGER = "another CheckpointManager"
 PERSIST_COMMAND = "a `python -m dcp_datastates persist` command"
@@ -125,6 +130,30 @@ def claimed(directories: list[Path], what: str) -> Iterator[None]:
             if ready_tier(directory, what, MEMORY_MODE, required=False):
                 held.callback(claim_tier(directory, what, PERSIST_COMMAND).release)
         yield
+
+
+@contextlib.contextmanager
+def claimed_durable(directory: Path) -> Iterator[None]:
+    """Hold the claim of the durable tier ``directory`` (checked as a manager's) for the
+    ``persist`` command meanwhile: where a manager holds it, raise CheckpointError naming it
+    and its pid; where another ``persist`` command does (a ``--partial`` run of another node),
+    wait for it to end. A tier that does not exist yet (no manager holds it) or that this
+    user may not write (the write fails, naming it) is not claimed."""
+    if not ready_tier(directory, "durable tier", DURABLE_MODE, required=False):
+        yield
+        return
+    while True:
+        try:
+            claim = claim_tier(directory, "durable tier", PERSIST_COMMAND)
+            break
+        except CheckpointError:
+            if _holder(directory / LOCK_NAME)[1] != PERSIST_COMMAND:
+                raise
+            time.sleep(TURN_WAIT_S)
+    try:
+        yield
+    finally:
+        claim.release()
 
 
 class TierClaims:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from .claims import claimed
+from .claims import claimed, claimed_durable
 from .persist import parts_of, persist_part
 from .replica import REPLICAS
 from .steps import (
@@ -200,7 +200,7 @@ def persist_job(engine: Engine, memory: list[Path], durable: Path, step: int | N
     for arg in memory:
         tiers += [t for t in memory_tiers(arg) if t.resolve() not in {x.resolve() for x in tiers}]
     _check_durable(durable, tiers, parents)
-    with claimed(tiers, "memory tier"):  # no manager prunes or persists them meanwhile
+    with claimed(tiers, "memory tier"), claimed_durable(durable):  # no manager meanwhile
         found, notes = sources(tiers)
         given = ", ".join(map(str, memory))
         if step is None:

@@ -8,7 +8,8 @@ replicated when every rank's previous exchange is over at its ``save()`` (decide
 one all-reduce, as the idle persist chain decides); a save made while one still runs is not
 (logged once per burst): replicas lag at most one exchange behind, and a slow network never
 holds up the saves or piles exchanges up. The newest step sent stays in its owner's memory tier
-until a newer one is sent, so that a rank whose node is lost and its peers have a step in
+until a newer one is sent (:meth:`.Retention.keep_sent`; going back past it or saving it again
+lets it go, as its replicas), so that a rank whose node is lost and its peers have a step in
 common however far the replicas lag.
 """
 
@@ -45,7 +46,6 @@ class Replicator:
         self._owed = 0  # exchanges decided and not over
         self._skipping = False
         self._chosen: set[int] = set()  # saves whose exchange is decided, not yet started
-        self._held = contextlib.ExitStack()  # the newest step replicated, kept from retention
 
     def decide(self, handle: SaveHandle) -> None:
         """At ``save()`` (collective): replicate this save if every rank is idle."""
@@ -76,9 +76,9 @@ class Replicator:
         self._thread.submit(self._exchange, handle, ok, held)
 
     def _exchange(self, handle: SaveHandle, ok: bool, held: contextlib.ExitStack) -> None:
-        """Exchange the step of ``handle`` with the peers; once this rank's step is on its
-        peer, it stays in memory (``held`` from retention) until a newer one is: the ranks keep
-        a step in common that the replicas can restore."""
+        """Exchange the step of ``handle`` with the peers (``held`` from retention meanwhile);
+        once this rank's step is on its peer, retention keeps it until a newer one is: the
+        ranks keep a step in common that the replicas can restore."""
         sent = False
         try:
             mine = step_dir(self.memory, handle.step) if ok else None
@@ -90,11 +90,11 @@ class Replicator:
         except Exception as exc:  # noqa: BLE001 - the copy in memory stands
             log.error("dcp_datastates: replica of step %d failed: %s", handle.step, exc)
         finally:
+            if sent:  # the step replicated before may go now
+                self.retention.keep_sent(handle.step)
             with self._lock:
-                if sent:
-                    held, self._held = self._held, held
                 self._owed -= 1
-            held.close()  # the step replicated before (or this one, not sent) may go now
+            held.close()
 
     def drain(self) -> None:
         """Wait for the exchanges started so far."""
@@ -104,4 +104,4 @@ class Replicator:
         """Wait for the exchange in progress, stop the thread, let the newest replicated step
         go (retention drops it once it is old)."""
         self._thread.shutdown(wait=True)
-        self._held.close()
+        self.retention.keep_sent(None)

@@ -2,9 +2,11 @@
 
 Each tier keeps its newest ``keep`` committed steps (unfinished ones older than the newest
 committed go too), except memory steps marked as being read (a persist, a replica send): those
-stay until read, and retention runs again after. A dropped memory step's ``.metadata`` goes
-first, then its data file goes back to being a free slot. Going back (``load`` of an older step,
-then training on) sets the newer steps aside; a step saved again is set aside the same way.
+stay until read, and retention runs again after; and the newest step sent to the peers, which
+stays until a newer one is sent or training leaves it (going back, the step saved again). A
+dropped memory step's ``.metadata`` goes first, then its data file goes back to being a free
+slot. Going back (``load`` of an older step, then training on) sets the newer steps aside; a
+step saved again is set aside the same way.
 ``durable_dir/.abandoned`` keeps the newest ``keep_durable`` sets of steps set aside.
 """
 
@@ -50,6 +52,7 @@ class Retention:
         self._lock = threading.Lock()
         self._dropping = threading.Lock()  # held by one drop at a time
         self._busy: dict[int, int] = {}  # memory steps being read, and by how many
+        self._sent: int | None = None  # the newest memory step on the peers: kept
 
     def memory_roots(self) -> list[Path]:
         """This rank's memory tier and the replicas it holds of every rank."""
@@ -71,14 +74,24 @@ class Retention:
                 else:
                     del self._busy[step]
 
+    def keep_sent(self, step: int | None) -> None:
+        """Keep the memory step ``step``, the newest on the peers, until the next call (None:
+        none), or until going back or a save of it again sets it aside."""
+        with self._lock:
+            self._sent = step
+
+    def _kept(self) -> set[int]:
+        """The memory steps retention leaves (lock held): being read, or the newest sent."""
+        return set(self._busy) | ({self._sent} if self._sent is not None else set())
+
     def retain(self, root: Path, keep: int | None) -> None:
         """Drop committed steps beyond the newest ``keep`` and unfinished ones older than the
-        newest committed, except steps being read."""
+        newest committed, except steps being read and the newest sent."""
         done = committed_steps(root)
         if keep is None or not done:
             return
         with self._lock:
-            busy = set(self._busy) if root == self.memory else set()
+            busy = self._kept() if root == self.memory else set()
         newest = done[-1]
         drop = [s for s in steps(root) if s not in busy and (
             s in done[:-keep] or (s < newest and s not in done))]
@@ -87,14 +100,14 @@ class Retention:
 
     def drop(self, root: Path, step: int, *, reuse_slot: bool = True) -> bool:
         """Remove ``step`` from the tier ``root``; from this rank's memory tier only if it is
-        not being read, and its data file goes back to being a free slot (``reuse_slot``) or
-        goes with it. Returns whether it went. Drops are made one at a time (the thread that
-        keeps the tiers, and a save making room)."""
+        not being read nor the newest sent, and its data file goes back to being a free slot
+        (``reuse_slot``) or goes with it. Returns whether it went. Drops are made one at a
+        time (the thread that keeps the tiers, and a save making room)."""
         directory = step_dir(root, step)
         with self._dropping:
             if root == self.memory:
                 with self._lock:  # a step marked as being read meanwhile stays committed
-                    if step in self._busy:
+                    if step in self._kept():
                         return False
                     uncommit(directory)
                 if self.slots is not None:  # uncommitted: its data file may be a slot
@@ -145,6 +158,9 @@ class Retention:
         self._put_aside(lambda s: s == step, f"step {step} is saved again")
 
     def _put_aside(self, which: Callable[[int], bool], why: str) -> None:
+        with self._lock:  # the newest step sent belongs to the run left: it goes too
+            if self._sent is not None and which(self._sent):
+                self._sent = None
         for root in self.memory_roots():
             for s in steps(root):
                 if which(s):
