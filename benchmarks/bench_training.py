@@ -4,7 +4,7 @@ Modes (``harness/training/modes.py``), in one run on the same model, each as its
 it and timed from its first step: ``none`` (no checkpoints; run first and again last),
 ``dcp_pinned`` (``dcp.async_save`` + a fresh FileSystemWriter + DCP's pinned DefaultStager,
 waiting for ``staging_completion`` right before the next ``optimizer.step()``), ``ours``
-(``guard(optimizer)`` once, then ``dcp.async_save`` with a fresh ``DataStatesWriter()``), and
+(``dcp.async_save`` with a fresh ``DataStatesWriter()``, no guard), and
 the ``CheckpointManager`` modes, a fresh manager each: ``tiers`` (every ``--every`` steps),
 ``tiers_replicate`` (the same with ``replicate=True``; several ranks only), ``tiers_budget``
 (every step, ``max_overhead=0.05``) and ``tiers_every_step``. The DCP modes keep one checkpoint

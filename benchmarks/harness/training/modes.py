@@ -17,10 +17,9 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import CheckpointManager, DataStatesWriter, guard
+from dcp_datastates import CheckpointManager, DataStatesWriter
 from harness.baselines import async_save_pinned
 from harness.ranks import Ranks
 from harness.states import state_bytes
@@ -89,22 +88,6 @@ def checkpoints(cx: Context, path: Path, rec: dict) -> Iterator[Callable[[int], 
 
 
 @contextmanager
-def timed_guard(opt: torch.optim.Optimizer, source: object, rec: dict) -> Iterator[None]:
-    """``guard(opt)`` (``source`` None) or ``guard(opt, source=source)``, with the time each
-    step's guard takes on the training thread appended to ``rec["wait_s"]``."""
-    mark = [0.0]
-    handles = [opt.register_step_pre_hook(lambda *_: mark.__setitem__(0, time.perf_counter()))]
-    try:
-        handles.append(guard(opt) if source is None else guard(opt, source=source))
-        handles.append(opt.register_step_pre_hook(
-            lambda *_: rec["wait_s"].append(time.perf_counter() - mark[0])))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextmanager
 def dcp_pinned(cx: Context, path: Path, rec: dict) -> Iterator[Save]:
     """``dcp.async_save`` with a fresh FileSystemWriter and DCP's pinned DefaultStager."""
     with checkpoints(cx, path, rec) as where:
@@ -113,10 +96,11 @@ def dcp_pinned(cx: Context, path: Path, rec: dict) -> Iterator[Save]:
 
 @contextmanager
 def ours(cx: Context, path: Path, rec: dict) -> Iterator[Save]:
-    """The README's idiom: ``guard(optimizer)`` once, then ``dcp.async_save`` with a fresh
-    ``DataStatesWriter()`` per save (default arguments: the process's engine)."""
+    """The README's idiom: ``dcp.async_save`` with a fresh ``DataStatesWriter()`` per save
+    (default arguments: the process's engine, which orders every optimizer step after its
+    snapshots by itself)."""
     stats = []
-    with checkpoints(cx, path, rec) as where, timed_guard(cx.tr.opt, None, rec):
+    with checkpoints(cx, path, rec) as where:
         def save(state: dict, step: int) -> object:
             writer = DataStatesWriter()
             resp = dcp.async_save(state, checkpoint_id=where(step), storage_writer=writer)
@@ -158,8 +142,7 @@ class _Response:
 def tiers(cx: Context, path: Path, rec: dict, max_overhead: float | None = None,
           replicate: bool = False) -> Iterator[Save]:
     """A fresh ``CheckpointManager`` (memory tier per rank under ``cx.memory``, persisted
-    whenever the previous persist is over), ``guard(optimizer, source=manager)`` and
-    ``manager.prepare(state)`` (``--prepare wait``: ``wait=True``, off the clock). The tiers
+    whenever the previous persist is over) and ``manager.prepare(state)`` (``--prepare wait``: ``wait=True``, off the clock). The tiers
     stay when the mode ends (the restart figures read them)."""
     durable, memory = tier_dirs(cx, path)
     shutil.rmtree(memory, ignore_errors=True)
@@ -179,11 +162,10 @@ def tiers(cx: Context, path: Path, rec: dict, max_overhead: float | None = None,
         return _Response(handle)
 
     try:
-        with timed_guard(cx.tr.opt, tiers, rec):
-            tiers.prepare(state, wait=cx.prepare == "wait")
-            rec["setup_s"] = time.perf_counter() - t0
-            yield save
-            tiers.wait()
+        tiers.prepare(state, wait=cx.prepare == "wait")
+        rec["setup_s"] = time.perf_counter() - t0
+        yield save
+        tiers.wait()
         if box["t0"] is None:
             return
         span = time.perf_counter() - box["t0"]
@@ -209,7 +191,7 @@ MODES = {
     "none": Mode("no checkpoint"),
     "dcp_pinned": Mode("DCP async_save + FileSystemWriter + pinned DefaultStager", dcp_pinned,
                        snapshot_before_step=True, every="dcp_every"),
-    "ours": Mode("DCP async_save + DataStatesWriter() + guard", ours, every="dcp_every"),
+    "ours": Mode("DCP async_save + DataStatesWriter()", ours, every="dcp_every"),
     "tiers": Mode("CheckpointManager: memory tier + persist", tiers, wait_previous=False),
     "tiers_replicate": Mode("CheckpointManager, replicate=True",
                             functools.partial(tiers, replicate=True), wait_previous=False,

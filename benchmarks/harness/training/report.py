@@ -111,11 +111,11 @@ def step_table(res: dict) -> Table:
         f"under max_overhead; taken <={EARLY} / >{EARLY}: share of the saves asked for in "
         f"steps 1-{EARLY} / after that were taken",
         "call: the save call; sd: get_state_dict; wait: total wait on the training thread "
-        "right before optimizer.step (DCP: staging_completion.result(); ours and tiers: the "
-        "guard); durable-w: total wait for the previous checkpoint to be durable before the "
+        "right before optimizer.step (DCP: staging_completion.result(); ours and tiers order "
+        "the step after their copies by themselves, in the step time); durable-w: total wait for the previous checkpoint to be durable before the "
         "next starts (DCP's idiom keeps one in flight)",
         "CheckpointManager modes: a fresh manager each (keep_memory=2, keep_durable=1, "
-        "persist='idle', the default engine), guard(optimizer, source=manager); background: "
+        "persist='idle', the default engine); background: "
         "prepare(state) right before the first timed step, as the README says (slots pinned "
         "while training runs); wait: prepare(state, wait=True) off the clock",
         "one-time, before the first timed step: " + (", ".join(
@@ -176,8 +176,8 @@ def dcp_tables(res: dict) -> list[Table]:
                   pct(agg, disk.get("write_gib_s")))
     t.notes = [
         "stall: the dcp.async_save call (a fresh writer made in it) + the wait right before "
-        "the next optimizer.step (DCP: staging_completion.result(); ours: the guard, which on "
-        "a GPU queues the step behind the copies instead: see steps +ms)",
+        "the next optimizer.step (DCP: staging_completion.result(); ours: none, the engine's "
+        "step hook queues the step behind the copies on a GPU instead: see steps +ms)",
         "steps +ms: the step that saves and the next one, over two no-checkpoint medians",
         "snapshot: from the call to staging_completion; copy: the GPU time of our snapshot's "
         "copies (writer.last_stats().copy_s); GiB/s/rank: a rank's bytes over the snapshot",
