@@ -142,8 +142,9 @@ class _Response:
 def tiers(cx: Context, path: Path, rec: dict, max_overhead: float | None = None,
           replicate: bool = False) -> Iterator[Save]:
     """A fresh ``CheckpointManager`` (memory tier per rank under ``cx.memory``, persisted
-    whenever the previous persist is over) and ``manager.prepare(state)`` (``--prepare wait``: ``wait=True``, off the clock). The tiers
-    stay when the mode ends (the restart figures read them)."""
+    whenever the previous persist is over) and ``manager.prepare(state)`` (``--prepare wait``:
+    ``wait=True``, off the clock). The tiers stay when the mode ends (the restart figures read
+    them)."""
     durable, memory = tier_dirs(cx, path)
     shutil.rmtree(memory, ignore_errors=True)
     state = cx.tr.state(0)

@@ -112,7 +112,8 @@ def step_table(res: dict) -> Table:
         f"steps 1-{EARLY} / after that were taken",
         "call: the save call; sd: get_state_dict; wait: total wait on the training thread "
         "right before optimizer.step (DCP: staging_completion.result(); ours and tiers order "
-        "the step after their copies by themselves, in the step time); durable-w: total wait for the previous checkpoint to be durable before the "
+        "the step after their copies by themselves, in the step time); durable-w: total wait "
+        "for the previous checkpoint to be durable before the "
         "next starts (DCP's idiom keeps one in flight)",
         "CheckpointManager modes: a fresh manager each (keep_memory=2, keep_durable=1, "
         "persist='idle', the default engine); background: "
