@@ -86,13 +86,14 @@ def _check(result: tuple, what: str) -> tuple:
 
 class CudaCopier:
     """One non-blocking CUDA stream per device, copies issued on them (with the checksums of
-    their sources, on request), and host pinning."""
+    their sources, on request), and host pinning. ``sums``: the checksum kernels (tests
+    inject failing ones)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sums: GpuSums | None = None) -> None:
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
         self._batch_ok = True  # until the runtime refuses cudaMemcpyBatchAsync once
-        self.sums = GpuSums()
+        self.sums = sums or GpuSums()
         if torch.cuda.is_initialized():  # compiled before the first save where it can be
             self.sums.prime(torch.cuda.current_device())
 
@@ -212,13 +213,20 @@ class CudaCopier:
         return pending
 
     def _hash(self, copies: list[Copy], keys: list[int], device: int, pending: IssuedCopies
-              ) -> GpuHashes:
+              ) -> GpuHashes | None:
         """Start the checksums of the sources of ``copies`` on ``device`` behind the copy
-        stream's start event."""
+        stream's start event (None where the kernel fails: the copies go on, and their
+        checksums are computed on the CPU, from then on)."""
         mine = [(key, src, nbytes) for key, (d, _, src, nbytes) in zip(keys, copies, strict=True)
                 if d == device]
         blocks = [blocks_of(src, nbytes) for _, src, nbytes in mine]
-        hashes = self.sums.launch(device, pending.spans[-1][1], [b for bs in blocks for b in bs])
+        try:
+            hashes = self.sums.launch(device, pending.spans[-1][1],
+                                      [b for bs in blocks for b in bs])
+        except RuntimeError as exc:
+            self.sums.give_up(device, exc)
+            _check(cudart.cudaSetDevice(device), "cudaSetDevice")
+            return None
         pending.hashes.append(([(i, len(bs)) for (i, _, _), bs in zip(mine, blocks,
                                                                      strict=True)], hashes))
         return hashes

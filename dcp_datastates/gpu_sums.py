@@ -242,6 +242,13 @@ class GpuSums:
             self._told = True
             log.info("dcp_datastates: checksums computed on the CPU at the commit (%s)", why)
 
+    def give_up(self, device: int, exc: BaseException) -> None:
+        """The kernel failed on ``device``: not used there again (logged)."""
+        with self._lock:
+            self._kernels[device] = None
+        log.warning("dcp_datastates: the GPU checksum kernel failed on device %d (%s); the "
+                    "checksums of its copies are computed on the CPU at the commit", device, exc)
+
     def _compile(self, arch: str) -> None:
         try:
             cubin = self._build(arch)
@@ -254,9 +261,9 @@ class GpuSums:
             self._compiling.discard(arch)
 
     def _load(self, device: int, cubin: bytes) -> object | None:
-        """The kernel loaded on ``device`` and its stream (None where that fails, logged); the
-        calling thread's current device is left as it was."""
-        current = _check(cudart.cudaGetDevice(), "cudaGetDevice")
+        """The kernel loaded on ``device`` and its stream (None where that fails, logged);
+        ``device`` is left current on the calling thread (making the one that was current
+        before current again could make a context there: another rank's GPU)."""
         try:
             _check(cudart.cudaSetDevice(device), "cudaSetDevice")
             module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
@@ -269,8 +276,6 @@ class GpuSums:
         except Exception as exc:  # noqa: BLE001 - the CPU checksums stand in
             self._tell(f"the GPU kernel could not be loaded on device {device}: {exc}")
             return None
-        finally:
-            cudart.cudaSetDevice(current)
         return kernel
 
     def launch(self, device: int, after: object, blocks: list[tuple[int, int]]) -> GpuHashes:
@@ -283,6 +288,9 @@ class GpuSums:
         host = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
         host[: 2 * n] = torch.tensor([a for a, _ in blocks] + [b for _, b in blocks],
                                      dtype=torch.int64)
+        # torch's pinned allocator may have made another device current on this thread (its
+        # runtime's idea of the current device is not cuda.bindings'): the event is the device's
+        _check(cudart.cudaSetDevice(device), "cudaSetDevice")
         _check(cudart.cudaStreamWaitEvent(stream, after, 0), "cudaStreamWaitEvent")
         args = (ctypes.c_void_p(host.data_ptr()), ctypes.c_uint(n))
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))

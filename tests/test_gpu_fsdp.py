@@ -12,6 +12,8 @@ so every rank fails together.
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 from pathlib import Path
 
 import mpi_util
@@ -49,7 +51,8 @@ SLACK = 0.1
 
 
 @pytest.fixture(autouse=True)
-def gpus(world: World) -> None:
+def gpus(world: World, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="dcp_datastates")  # in a failure's report
     if torch.cuda.device_count() < world.size:
         pytest.skip(f"needs a GPU per rank ({world.size}), found {torch.cuda.device_count()}")
 
@@ -163,8 +166,12 @@ def after_a_first_save(state: dict, path: Path, errors: list[str]) -> int:
     GPU, while the engine's host cache is made), then start counting GPU memory: the bytes
     allocated now (the peak is reset)."""
     with collecting(errors, "a first save"):
-        dcp.async_save(state, checkpoint_id=path, storage_writer=DataStatesWriter()) \
-            .upload_completion.result(timeout=120)
+        resp = dcp.async_save(state, checkpoint_id=path, storage_writer=DataStatesWriter())
+        try:
+            resp.upload_completion.result(timeout=90)
+        except TimeoutError:  # a hang: where every thread of this rank is, for the report
+            faulthandler.dump_traceback(all_threads=True)
+            raise
     agree(errors, "a first FSDP2 save with DataStatesWriter()")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

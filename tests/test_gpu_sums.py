@@ -4,6 +4,7 @@ verified by a load."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from conftest import raises_in_dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, checksums, cuda_copy
 from dcp_datastates.errors import CheckpointCorruptError
-from dcp_datastates.gpu_sums import GPU_SUM_BLOCK
+from dcp_datastates.gpu_sums import GPU_SUM_BLOCK, GpuHashes, GpuSums
 from dcp_datastates.metadata_file import read_metadata
 
 pytestmark = [
@@ -48,6 +49,50 @@ def test_gpu_digests_equal_libdcp_hash_and_the_xxhash_package() -> None:
             want = checksums.block_checksums(host.data_ptr(), n, GPU_SUM_BLOCK)
             assert issued.checksums[key] == want, (key, n)
         assert len(issued.checksums[keys[4]]) == 2
+    finally:
+        copier.close()
+
+
+def digests_of_a_copy(copier: cuda_copy.CudaCopier, device: int) -> tuple[list[int], list[int]]:
+    """Copy 3 MiB of ``device`` to the host with checksums: (GPU digests, CPU digests)."""
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device=f"cuda:{device}")
+    host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+    issued = copier.issue([(device, host.data_ptr(), data.data_ptr(), data.numel())], "d2h",
+                          checksums=[7])
+    issued.wait()
+    return (issued.checksums.get(7, []),
+            checksums.block_checksums(host.data_ptr(), host.numel(), GPU_SUM_BLOCK))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_the_kernel_hashes_a_device_that_is_not_current_on_a_fresh_thread() -> None:
+    """As a rank other than 0 runs it: its staging thread's current device is 0 (for torch
+    and for cuda.bindings alike), its sources on device 1 (a launch failed there, once)."""
+    copier = cuda_copy.CudaCopier()
+    try:
+        built(copier, 1)
+        with ThreadPoolExecutor(1) as pool:
+            gpu, cpu = pool.submit(digests_of_a_copy, copier, 1).result()
+        assert gpu == cpu and len(gpu) == -(-(3 << 20) // GPU_SUM_BLOCK)
+    finally:
+        copier.close()
+
+
+class FailingSums(GpuSums):
+    def launch(self, device: int, after: object, blocks: list[tuple[int, int]]) -> GpuHashes:
+        raise RuntimeError("cuLaunchKernel failed: injected")
+
+
+def test_a_failing_kernel_leaves_the_checksums_to_the_cpu_and_the_copies_go_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    copier = cuda_copy.CudaCopier(sums=FailingSums())
+    try:
+        built(copier)
+        gpu, cpu = digests_of_a_copy(copier, 0)
+        assert gpu == [] and cpu
+        assert not copier.sums.ready(0)
+        assert "the GPU checksum kernel failed on device 0 (cuLaunchKernel failed: injected)" \
+            in caplog.text
     finally:
         copier.close()
 
