@@ -40,6 +40,8 @@ from .sizes import parse_size
 if TYPE_CHECKING:
     import torch
 
+    from .gpu_sums import GpuSums
+
 log = logging.getLogger("dcp_datastates")
 
 #: How often a wait (for cache memory, for a snapshot target) checks whether to give up.
@@ -97,6 +99,7 @@ class Engine:
         make_arena: how host memory is mapped, ``(nbytes, name) -> Arena`` (tests inject
             slow or failing fakes).
         settle_pool: the thread waiting for copies to end (tests inject one; close() ends it).
+        gpu_sums: the GPU checksum kernels (tests inject slow or failing ones).
 
     The snapshot cache is mapped, pinned and registered on the engine's arena thread, never on
     a thread a save waits for: the first save (or one larger than the cache) copies its
@@ -112,6 +115,7 @@ class Engine:
         io_workers: int = 8,
         make_arena: MakeArena = Arena,
         settle_pool: Executor | None = None,
+        gpu_sums: GpuSums | None = None,
     ) -> None:
         self.fixed_size = None if host_cache_size == "auto" else parse_size(
             host_cache_size, name="host_cache_size")
@@ -123,7 +127,7 @@ class Engine:
             log.log(logging.WARNING if FALLBACK in message else logging.INFO, message)
         else:
             self.io, self._owns_io = io_backend, False
-        self.cuda = cuda_copy.CudaCopier() if cuda_copy.available() else None
+        self.cuda = cuda_copy.CudaCopier(gpu_sums) if cuda_copy.available() else None
         if (why := cuda_copy.why_unavailable()) is not None:
             log.warning("dcp_datastates: %s", why)
         self.threads = Executors(io_workers, settle_pool)

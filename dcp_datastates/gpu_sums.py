@@ -194,7 +194,7 @@ class GpuSums:
                  build: Callable[[str], bytes] | None = None,
                  load: Callable[[int, bytes], object | None] | None = None) -> None:
         self._arch = arch_of or _arch
-        self._build = build or _compile
+        self._build = build or compile_kernel
         self._load_kernel = load or self._load
         self._lock = threading.Lock()
         self._cubins: dict[str, bytes | None] = {}  # architecture -> cubin (None: none to be had)
@@ -325,7 +325,7 @@ def _arch(device: int) -> str:
     return f"sm_{major}{minor}"
 
 
-def _compile(arch: str) -> bytes:
+def compile_kernel(arch: str) -> bytes:
     """The kernel compiled by NVRTC for ``arch`` (a cubin)."""
     if nvrtc is None or not HEADER.exists():
         raise RuntimeError(f"{HEADER.name} or cuda.bindings.nvrtc is missing")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import threading
 from pathlib import Path
 
 import mpi_util
@@ -32,7 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, cli
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, cli
+from dcp_datastates.gpu_sums import GpuSums, compile_kernel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -228,3 +230,43 @@ def test_reshard_2_to_1_and_1_to_2_gpus(world: World, shared: Path) -> None:
         load_into(model, opt, shared / "one")
     errors += differences(full(model, opt), expected)
     agree(errors, f"1 GPU -> {world.size}")
+
+
+def test_saves_go_on_when_the_checksum_kernel_is_built_after_the_first(world: World,
+                                                                       shared: Path) -> None:
+    """On a fresh machine NVRTC takes seconds, so the GPU checksum kernel is ready only after
+    the first saves, and the staging thread of each rank loads and launches it on the rank's
+    GPU (rank 1's launch once failed there, and rank 0 hung in DCP's planning)."""
+    built = threading.Event()
+
+    def late(arch: str) -> bytes:
+        try:
+            return compile_kernel(arch)
+        finally:
+            built.set()
+
+    release = threading.Event()
+    sums = GpuSums(build=lambda arch: release.wait(60) and late(arch))
+    engine = Engine(gpu_sums=sums)
+    errors: list[str] = []
+    try:
+        model, opt = build(torch.float32, sharded=True)
+        for k in range(2):  # the first with CPU checksums, the second with the kernel's
+            state = state_of(model, opt)
+            saved = locals_of(state)
+            with collecting(errors, f"save {k}"):
+                dcp.async_save(state, checkpoint_id=shared / f"late{k}",
+                               storage_writer=DataStatesWriter(engine=engine)) \
+                    .upload_completion.result(timeout=90)
+            agree(errors, f"save {k} around the kernel's build")
+            release.set()
+            assert built.wait(60), "the kernel was not built in 60 s"
+            step(model, opt, torch.float32, k + 1)
+        model2, opt2 = build(torch.float32, sharded=True, seed=7)
+        with collecting(errors, "load"):
+            load_into(model2, opt2, shared / "late1")
+            errors += differences(locals_of(state_of(model2, opt2)), saved)
+        agree(errors, "the save with the kernel built late, bit for bit")
+        assert sums.ready(torch.cuda.current_device()), "the kernel was given up (see the log)"
+    finally:
+        engine.close()
