@@ -92,19 +92,44 @@ def test_a_save_into_a_slot_not_ready_waits_aside(tiers: Tiers, held: HeldPinEng
 def test_prepare_wait_returns_once_every_slot_is_pinned(tiers: Tiers,
                                                         held: HeldPinEngine) -> None:
     """prepare(wait=True) (a benchmark's set-up, off the clock): the calling thread helps the
-    pool's thread and returns with every slot sized and pinned; saves then go into them."""
+    pool's thread and returns with the next save's slot sized and pinned (no more: slots are
+    made as saves take them); saves then go into them."""
     held.gate.set()
     state = make_state(1, big=MiB + 3)
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
                            persist=None, engine=held) as manager:
         manager.prepare(state, wait=True)
         made = slot_files(tiers.memory)
-        assert len(made) >= 2 and held.pinned == len(made), (made, held.pinned)
+        assert len(made) == 1 and held.pinned == 1, (made, held.pinned)
         manager.save(1, state).result(timeout=30)
         manager.wait()
         out = blank_like(state)
         assert manager.load(out) == 1
         assert_state_equal(out, state)
+
+
+@pytest.mark.parametrize("keep_memory", [1, 3])
+def test_slots_are_made_as_saves_need_them(tiers: Tiers, held: HeldPinEngine,
+                                           keep_memory: int) -> None:
+    """The tier holds what the saves need, not ``keep_memory + 3`` slots from the start: one
+    ready ahead of the next save after prepare(), one more per save until the kept steps are
+    there, then ``keep_memory + 2`` at most (kept steps, the one being written, the spare)
+    through saves that commit before the next; every slot made is pinned."""
+    held.gate.set()
+    state = make_state(1, big=MiB + 3)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=keep_memory,
+                           persist=None, engine=held) as manager:
+        manager.prepare(state, wait=True)
+        counts = [len(tier_files(tiers.memory))]
+        for step in range(1, 3 * keep_memory + 3):
+            manager.save(step, state).result(timeout=30)
+            manager.wait()
+            counts.append(len(tier_files(tiers.memory)))
+        manager.prepare(state, wait=True)  # to count the pins of the spare made last
+        assert held.pinned == len(tier_files(tiers.memory))
+    growing = [min(k + 1, keep_memory + 2) for k in range(len(counts))]
+    assert counts == growing, counts
+    assert steps_in(tiers.memory)[-1] == 3 * keep_memory + 2
 
 
 def test_prepare_and_saves_do_not_wait_for_pinning(tiers: Tiers, held: HeldPinEngine,

@@ -65,8 +65,9 @@ class CheckpointManager:
         memory_dir: this rank's memory tier; default
             ``/dev/shm/dcp_datastates-<uid>/<durable_dir's last names>-<hash>/rank_<rank>``
             (made 0700). Give every rank of a node its own directory (the default does).
-        keep_memory: memory-tier checkpoints kept (plus up to two being written and one being
-            persisted: size the tier for ``keep_memory + 3`` states).
+        keep_memory: memory-tier checkpoints kept (plus the one being written and one ready
+            for the next save: size the tier for ``keep_memory + 2`` states, ``+ 3`` where
+            saves pile up; slots are made as saves need them).
         keep_durable: durable checkpoints kept (None: all); also the sets of steps set
             aside in ``durable_dir/.abandoned`` that are kept.
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much

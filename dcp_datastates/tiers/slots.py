@@ -12,6 +12,11 @@ removed it) is unmapped and forgotten.
 Pinning (seconds per GiB) never delays a save: a slot is mapped unpinned, and the pool's
 pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save takes a pinned
 free slot if there is one, else an unpinned one (its snapshot is copied at pageable speed).
+Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
+pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
+``limit``; a slot a dropped step gives back is free again. Saves that are committed before
+the next one comes (every N steps) hold ``keep_memory + 2`` slots at most: the kept steps,
+the one being written and the spare.
 A save taken while every slot is in use (or while saves wait for one) gets the next one to
 come free (:class:`NextSlot`), in save order: its snapshot waits aside meanwhile, as one
 into a slot not pinned yet does, and its move is queued once the slot is given (where the
@@ -43,6 +48,9 @@ from .slot_pinning import Background
 log = logging.getLogger("dcp_datastates")
 
 SLOT_DIR_PREFIX = ".slots."
+#: Free slots the pool keeps sized and pinned ahead of the next save (made as saves take
+#: them; the first by ``prepare()``).
+SPARE = 1
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (names are rarely longer).
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 512
 
@@ -173,8 +181,9 @@ class NextSlot:
 
 
 class SlotPool:
-    """A memory tier's slots: ``limit`` at most, free or holding a step's data file; free ones
-    are sized (after :meth:`prepare`) and pinned by a thread of the pool's, one at a time."""
+    """A memory tier's slots: ``limit`` at most, free or holding a step's data file, made as
+    saves take them (:data:`SPARE` ahead); free ones are sized (after :meth:`prepare`) and
+    pinned by a thread of the pool's, one at a time."""
 
     def __init__(self, engine: object, memory: Path, limit: int) -> None:
         self.engine = engine
@@ -209,11 +218,15 @@ class SlotPool:
         has room)."""
         with self._lock:
             slot = None if self._waiting else self._take()
-            if slot is not None or not later:
-                return slot
-            waiting = NextSlot(self)
-            self._waiting.append(waiting)
-            warn, self._warned = not self._warned, True
+            if slot is None and later:
+                waiting = NextSlot(self)
+                self._waiting.append(waiting)
+                warn, self._warned = not self._warned, True
+        if slot is not None:
+            self._thread.wake()  # to ready the spare it made
+            return slot
+        if not later:
+            return None
         if warn:
             log.warning("dcp_datastates: all %d memory-tier slots are in use (earlier saves "
                         "are still being committed or persisted); this save (and any other "
@@ -240,10 +253,14 @@ class SlotPool:
                    if w.queue is not None and (w.slot is not None or self._closed)]
             for waiting in due:
                 self._waiting.remove(waiting)
+        if due:
+            self._thread.wake()  # to ready the spares their slots made
         for waiting in due:
             waiting.queue()
 
     def _take(self) -> Slot | None:
+        """(Lock held) A free slot, pinned ones first, else a new one (``limit`` allowing);
+        then a spare is made in its place (readied once the caller wakes the thread)."""
         if self._free:
             slot = max(reversed(self._free), key=lambda s: (s.pinned, s.fd >= 0))
             self._free.remove(slot)
@@ -252,7 +269,16 @@ class SlotPool:
             self._count += 1
         else:
             return None
+        self._add_spares()
         return slot
+
+    def _add_spares(self) -> None:
+        """(Lock held) Make slots until :data:`SPARE` are free or being readied, once
+        :meth:`prepare` said how large (``limit`` allowing)."""
+        while (self._want is not None and self._count < self.limit
+               and len(self._free) + len(self._readying) < SPARE):
+            self._free.append(Slot(self, next(self._names)))
+            self._count += 1
 
     def slot_bytes(self) -> int:
         """Bytes the largest slot takes on the tier."""
@@ -261,14 +287,12 @@ class SlotPool:
         return max((s.nbytes for s in slots), default=0)
 
     def prepare(self, total: int, entries: int, wait: bool = False) -> None:
-        """Make every slot now; the pool's thread sizes each for ``total`` bytes of
-        ``entries`` tensors and pins it, in the background (``wait``: the calling thread
-        helps, and returns once no free slot is left to ready)."""
+        """Make the spare slot(s) now; the pool's thread sizes each free slot for ``total``
+        bytes of ``entries`` tensors and pins it, in the background (``wait``: the calling
+        thread helps, and returns once no free slot is left to ready)."""
         with self._lock:
             self._want = (total, entries)
-            while self._count < self.limit:
-                self._free.append(Slot(self, next(self._names)))
-                self._count += 1
+            self._add_spares()
         self._thread.wake()
         if wait:
             while self._ready_one():
