@@ -32,7 +32,8 @@ from dcp_datastates.tiers.steps import RECORD_NAME, TierRecord, committed_steps,
 
 pytestmark = MARKS
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+#: What users read: the README and the documents it links to.
+README = "\n".join(p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 
 #: The start of every script: a state of known bits (the test rebuilds it to compare).
 PRELUDE = """\

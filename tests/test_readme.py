@@ -1,15 +1,16 @@
-"""The README's Python snippets run as written.
+"""The Python snippets of the README and of ``docs/`` run as written.
 
 A snippet to run is a ```python block right after a ``<!-- snippet: NAME -->`` line. Each runs
 in a fresh interpreter on the CPU, in a directory of its own, after a harness that defines
 what the snippet leaves to the reader (``model``, ``optimizer``, ``state``, ...) as small
-objects; the snippet's text is not changed, except a path named in :data:`PATHS`.
+objects; the snippet's text is not changed, except where :data:`EDITS` says.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,10 +18,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import MARKS
 
 pytestmark = MARKS
 ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SNIPPET_RE = re.compile(r"^<!-- snippet: ([\w-]+) -->\n```python\n(.*?)^```$", re.M | re.S)
 
 _TRAINING = """\
@@ -41,11 +44,23 @@ model = Model()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 batch = torch.randn(4, 8)
 """
+#: The model of the README's example, made afresh (the resume snippet's "as before").
+_EXAMPLE_MODEL = """\
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+torch.manual_seed(1)
+model = torch.nn.Linear(64, 64)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+"""
+_PLAIN = "plain = getattr(model, 'module', model)\n"
 
 #: What each snippet leaves to the reader, defined before it runs.
 HARNESS = {
-    "use": _TRAINING + "steps = 1001\n",
-    "tiers": _TRAINING + textwrap.dedent("""\
+    "example": "",
+    "resume": _EXAMPLE_MODEL,
+    "tiers": "",
+    "tiers-options": _TRAINING + textwrap.dedent("""\
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         class App:  # a Stateful: what DCP's tutorials checkpoint
@@ -66,23 +81,38 @@ HARNESS = {
         """),
     "process-group": "",
 }
-#: What the test checks after each snippet ran.
+#: What the test checks (or keeps) after each snippet ran.
 AFTER = {
-    "use": "import os; assert os.path.isfile('ckpt/step_1000/.metadata')\n",
-    "tiers": textwrap.dedent("""\
+    "example": _PLAIN + textwrap.dedent("""\
+        import os
+        assert os.path.isfile("ckpt/step_100/.metadata")
+        if int(os.environ.get("RANK", "0")) == 0:
+            torch.save({k: v.clone() for k, v in plain.state_dict().items()}, "expected.pt")
+        """),
+    "resume": _PLAIN + textwrap.dedent("""\
+        expected = torch.load("expected.pt")
+        assert all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())
+        assert optimizer.state_dict()["state"], "the optimizer's state was not restored"
+        """),
+    "tiers": "torch.save(model.state_dict(), 'final.pt')\nprint('start', start)\n",
+    "tiers-options": textwrap.dedent("""\
         from dcp_datastates.tiers.steps import committed_steps
         assert committed_steps(Path("durable"))[-1] == 20, committed_steps(Path("durable"))
         import shutil; shutil.rmtree(manager.memory.parent)
         """),
     "process-group": "assert dist.get_world_size() == 1; dist.destroy_process_group()\n",
 }
-#: Paths of a snippet that stand for the reader's: replaced by ones in the test's directory.
-PATHS = {"tiers": {'"/shared/ckpt/run1"': 'str(Path("durable").absolute())'}}
+#: Text of a snippet replaced for the test: the reader's paths by the test directory's.
+EDITS = {"tiers-options": {'"/shared/ckpt/run1"': 'str(Path("durable").absolute())'}}
 
 
 def snippets() -> dict[str, str]:
-    found = dict(SNIPPET_RE.findall((ROOT / "README.md").read_text()))
-    assert sorted(found) == sorted(HARNESS), "README snippets and the harness disagree"
+    found: dict[str, str] = {}
+    for document in DOCUMENTS:
+        for name, code in SNIPPET_RE.findall(document.read_text()):
+            assert name not in found, f"snippet {name!r} twice (again in {document.name})"
+            found[name] = code
+    assert sorted(found) == sorted(HARNESS), "the documents' snippets and the harness disagree"
     return found
 
 
@@ -92,18 +122,69 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("name", sorted(HARNESS))
-def test_readme_snippet_runs(name: str, tmp_path: Path) -> None:
+def script(name: str, directory: Path, edits: dict[str, str] | None = None) -> Path:
+    """The snippet ``name`` with its harness and checks, written into ``directory``."""
     code = snippets()[name]
-    for path, here in PATHS.get(name, {}).items():
-        assert path in code
-        code = code.replace(path, here)
-    script = tmp_path / f"{name}.py"
-    script.write_text("from pathlib import Path\n" + HARNESS[name] + code + AFTER[name])
-    env = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"}
-    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-               WORLD_SIZE="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env=env)
+    for old, new in {**EDITS.get(name, {}), **(edits or {})}.items():
+        assert old in code, (name, old)
+        code = code.replace(old, new)
+    path = directory / f"{name}.py"
+    path.write_text("from pathlib import Path\n" + HARNESS[name] + code + AFTER[name])
+    return path
+
+
+def run(command: list[str], directory: Path, **env: str) -> str:
+    """Run ``command`` in ``directory`` on the CPU (no torch.distributed variables unless
+    given); its output, once it succeeded."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("DCP_DATASTATES_IO", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    clean.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), clean.get("PYTHONPATH"))
+                                            if p), CUDA_VISIBLE_DEVICES="", **env)
+    proc = subprocess.run(command, cwd=directory, capture_output=True, text=True, timeout=300,
+                          env=clean)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+@pytest.fixture
+def memory_tiers() -> object:
+    """Removes the memory tiers (in /dev/shm) that the test's managers leave, as designed."""
+    root = Path(f"/dev/shm/dcp_datastates-{os.getuid()}")
+    before = set(root.glob("*"))
+    yield
+    for made in set(root.glob("*")) - before:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def test_the_example_runs_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    run([sys.executable, str(script("example", tmp_path))], tmp_path)
+    run([sys.executable, str(script("resume", tmp_path))], tmp_path)
+
+
+def test_the_example_runs_under_torchrun_with_ddp(tmp_path: Path) -> None:
+    """Two ranks, DDP on the CPU (gloo for the training too): no hang, and the checkpoint
+    resumes in one process."""
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(script("example", tmp_path))], tmp_path, OMP_NUM_THREADS="1")
+    run([sys.executable, str(script("resume", tmp_path))], tmp_path)
+
+
+def test_the_tiers_loop_resumes_bit_for_bit_after_a_crash(tmp_path: Path,
+                                                          memory_tiers: object) -> None:
+    """The loop run whole, and run again after it stopped at step 44: both end with the same
+    weights (optimizer, scheduler and data position restored from step 40, in memory)."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    whole.mkdir()
+    stopped.mkdir()
+    assert "start 0" in run([sys.executable, str(script("tiers", whole))], whole)
+    assert "start 0" in run([sys.executable, str(
+        script("tiers", stopped, {"range(start, 50)": "range(start, 45)"}))], stopped)
+    assert "start 41" in run([sys.executable, str(script("tiers", stopped))], stopped)
+    expected, got = torch.load(whole / "final.pt"), torch.load(stopped / "final.pt")
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("name", ["tiers-options", "process-group"])
+def test_the_docs_snippets_run(name: str, tmp_path: Path, memory_tiers: object) -> None:
+    run([sys.executable, str(script(name, tmp_path))], tmp_path, MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
