@@ -22,7 +22,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mpi_util
@@ -642,3 +644,29 @@ def test_plain_save_then_async_saves(world: World, shared: Path, engine: Engine)
         dcp.load(target, checkpoint_id=path, storage_reader=DataStatesReader())
         errors += differences(target["w"].full_tensor(), full, f"save {step}")
     agree(errors, f"plain then async saves on {world.size} ranks")
+
+
+def test_async_save_on_the_default_gloo_group_warns_how_to_avoid_a_hang(
+        world: World, shared: Path, engine: Engine) -> None:
+    """DDP on the CPU and dcp.async_save on the default (gloo) group block each other: the
+    save says so at once, with what to pass; on a group of its own, it says nothing."""
+    if dist.get_backend() != "gloo":
+        pytest.skip("the default group has a backend of its own for the training (NCCL)")
+    state = {"w": torch.arange(16.0) + world.rank}
+    group = dist.new_group(backend="gloo")
+    for name, kwargs in (("default", {}), ("own", {"process_group": group})):
+        with pytest.warns(RuntimeWarning, match=r"process_group=") if not kwargs else \
+                _no_runtime_warning():
+            resp = dcp.async_save(state, checkpoint_id=shared / name,
+                                  storage_writer=writer_on(engine), **kwargs)
+        resp.upload_completion.result()
+    dist.destroy_process_group(group)
+
+
+@contextmanager
+def _no_runtime_warning() -> Iterator[None]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], \
+        [str(w.message) for w in caught]

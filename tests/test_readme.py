@@ -60,6 +60,14 @@ HARNESS = {
     "example": "",
     "resume": _EXAMPLE_MODEL,
     "tiers": "",
+    "errors": textwrap.dedent("""\
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from dcp_datastates import DataStatesReader, DataStatesWriter
+        path = "ckpt"
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=path, storage_writer=DataStatesWriter())
+        state = {"w": torch.ones(4)}  # another model's
+        """),
     "tiers-options": _TRAINING + textwrap.dedent("""\
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -95,6 +103,7 @@ AFTER = {
         assert optimizer.state_dict()["state"], "the optimizer's state was not restored"
         """),
     "tiers": "torch.save(model.state_dict(), 'final.pt')\nprint('start', start)\n",
+    "errors": "assert [type(e).__name__ for e in errors] == ['StateDictMismatchError'], errors\n",
     "tiers-options": textwrap.dedent("""\
         from dcp_datastates.tiers.steps import committed_steps
         assert committed_steps(Path("durable"))[-1] == 20, committed_steps(Path("durable"))
@@ -184,7 +193,7 @@ def test_the_tiers_loop_resumes_bit_for_bit_after_a_crash(tmp_path: Path,
     assert all(torch.equal(got[k], v) for k, v in expected.items())
 
 
-@pytest.mark.parametrize("name", ["tiers-options", "process-group"])
-def test_the_docs_snippets_run(name: str, tmp_path: Path, memory_tiers: object) -> None:
+@pytest.mark.parametrize("name", ["errors", "tiers-options", "process-group"])
+def test_the_other_snippets_run(name: str, tmp_path: Path, memory_tiers: object) -> None:
     run([sys.executable, str(script(name, tmp_path))], tmp_path, MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")

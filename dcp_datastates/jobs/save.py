@@ -15,6 +15,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -463,4 +464,14 @@ def _staged_for_distributed_save() -> bool:
     frame = sys._getframe(1)
     while frame is not None and frame.f_code is not _ASYNC_SAVE:
         frame = frame.f_back
-    return frame is not None and not frame.f_locals.get("no_dist", False)
+    if frame is None or frame.f_locals.get("no_dist", False):
+        return False
+    group = frame.f_locals.get("process_group") or dist.group.WORLD
+    if group is dist.group.WORLD and dist.get_backend(group) == "gloo":
+        warnings.warn(
+            "dcp.async_save runs its collectives on DCP's upload thread, here on the default "
+            "process group, whose one backend (gloo) the training's collectives use too (DDP "
+            "on the CPU): the two can block each other for good. Make a group for checkpoints "
+            "once, on every rank (dist.new_group(backend=\"gloo\")), and pass it as "
+            "process_group= to dcp.async_save", RuntimeWarning, stacklevel=2)
+    return True
