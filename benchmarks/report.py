@@ -1,9 +1,18 @@
 """Regenerate benchmarks/RESULTS.md from the runs kept in benchmarks/results/*.json.
 
 RESULTS.intro.md holds the hand-written prose; its line ``<!-- generated sections -->`` becomes
-one section per kept run (benchmark and machine): the exact command, the machine, the date and
-the run's tables. To keep a new run, copy its JSON (and PNG) from benchmarks/out/ into
-benchmarks/results/, then run this.
+one compact section per kept run (benchmark and machine), in ORDER: a heading naming the run's
+JSON, the exact command, then one line with the date, the machine and the files (a third line
+lists errors, if any), then the run's tables.
+
+Which tables: TABLES names, per JSON file (its stem), the title prefixes of the tables to show,
+in the JSON's order (an unknown prefix is an error, so the list follows the benchmarks); a run
+it does not name shows its first DEFAULT_TABLES table(s). The tables' notes (column legends,
+per-repetition figures, goal verdicts) are left out: they are in the JSON and in the run's
+printed log. Keep RESULTS.md within about 250 lines: one run per benchmark and machine.
+
+To keep a new run, copy its JSON (and PNG) from benchmarks/out/ into benchmarks/results/
+(replacing the older run of that benchmark and machine: git keeps it), then run this.
 
     python benchmarks/report.py            # writes benchmarks/RESULTS.md
     python benchmarks/report.py --check    # fails if RESULTS.md is not what the JSON gives
@@ -22,14 +31,32 @@ from harness.tables import Table
 HERE = Path(__file__).resolve().parent
 ORDER = ("bench_cpu", "bench_engine", "bench_gpu", "bench_training", "bench_multi_gpu")
 MARK = "<!-- generated sections -->"
+DEFAULT_TABLES = 1
+TABLES = {
+    "bench_engine_cpu": ("fresh writer per save", "30000 tiny tensors"),
+    "bench_training_2xh100": ("training steps", "DCP's idiom", "restart after"),
+    "bench_training_h100": ("GPT", "snapshots during training", "checkpoint tiers"),
+    "bench_training_h100_8g": ("GPT", "snapshots during training"),
+}
 
 
 def load(path: Path) -> dict:
     res = json.loads(path.read_text())
     if not isinstance(res, dict) or not {"benchmark", "command", "tables"} <= res.keys():
         raise SystemExit(f"{path}: not a run of the benchmark harness (no benchmark, command or "
-                         "tables); move older results to results/previous/")
+                         "tables); keep only the harness's runs in results/")
     return res
+
+
+def chosen(path: Path, tables: list[dict]) -> list[dict]:
+    """The tables TABLES names for this run, else its first DEFAULT_TABLES."""
+    prefixes = TABLES.get(path.stem)
+    if prefixes is None:
+        return tables[:DEFAULT_TABLES]
+    for p in prefixes:
+        if not any(t["title"].startswith(p) for t in tables):
+            raise SystemExit(f"report.py TABLES: {path.name} has no table titled {p!r}...")
+    return [t for t in tables if t["title"].startswith(prefixes)]
 
 
 def section(path: Path, res: dict) -> str:
@@ -37,18 +64,23 @@ def section(path: Path, res: dict) -> str:
     where = m.get("gpu") and f"{m.get('gpus', 1)} x {m['gpu']}" or f"{m['cpu']}, {m['cores']} cores"
     smoke = " (CPU smoke run: checks code paths, not speed)" if res.get("cpu_smoke") else ""
     png = path.with_suffix(".png")
-    files = f"`results/{path.name}`" + (f", `results/{png.name}`" if png.exists() else "")
-    out = [f"## `{res['benchmark']}.py` on {where}{smoke}", "",
-           f"**Command:** `{res['command']}`  ", f"**Machine:** {summary(m)}  ",
-           f"**Date:** {res['date']}; 1-min load average "
-           + " -> ".join(f"{x:.2f}" for x in res["loadavg_1min"]) + f"; files: {files}"]
-    if max(res["loadavg_1min"]) >= m["cores"] / 2:
-        out += ["", f"**Noisy:** other processes ran alongside (1-min load average up to "
-                f"{max(res['loadavg_1min']):.1f} on {m['cores']} cores)."]
+    files = f"`results/{path.name}`" + (f", `{png.name}`" if png.exists() else "")
+    load_avg = " -> ".join(f"{x:.2f}" for x in res["loadavg_1min"])
+    noisy = (" (**noisy**: other processes ran alongside)"
+             if max(res["loadavg_1min"]) >= m["cores"] / 2 else "")
+    out = [f"## {path.stem}: `{res['benchmark']}.py` on {where}{smoke}",
+           f"**Command:** `{res['command']}`  ",
+           f"**Run:** {res['date']} on {summary(m)}; 1-min load average {load_avg}{noisy}; "
+           f"files: {files}"]
     if res["errors"]:
-        out += ["", "**Errors:** " + "; ".join(f"{k}: {v[0]}" for k, v in res["errors"].items())]
-    for t in res["tables"]:
-        out += ["", Table.from_json(t).markdown()]
+        out[-1] += "  "
+        out += ["**Errors:** " + "; ".join(f"{k}: {v[0]}" for k, v in res["errors"].items())]
+    tables = chosen(path, res["tables"])
+    for t in tables:
+        out += ["", Table.from_json({**t, "notes": []}).markdown()]
+    if not res["tables"]:
+        out += ["", "(No tables: the run stopped before its end, where they are made; its "
+                "figures so far are in the JSON.)"]
     return "\n".join(out)
 
 
