@@ -184,7 +184,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"error: output directory {out_path} is inside the checkpoint directory {path}: "
               f"export elsewhere", file=sys.stderr)
         return 1
-    md, chunks = load_checkpoint(path)
+    md, chunks = load_checkpoint(path, refuse_filesystem_writer=(
+        "the safetensors export reads DataStatesWriter checkpoints; `export --format torch` "
+        "exports this one"))
     fqns = _select(md, args.prefix)
     if not fqns:
         print(f"error: {path}: no tensors to export", file=sys.stderr)
@@ -222,7 +224,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "are skipped with a note. With --format torch, writes the whole state dict instead "
         "(nested as it was saved, every dtype, non-tensor items included) to the file OUT "
         "with torch.save, loadable by torch.load(OUT, weights_only=True) where its non-tensor "
-        "items are plain Python objects; it is built in memory.")
+        "items are plain Python objects; it is built in memory. --format torch also exports "
+        "checkpoints of DCP's own FileSystemWriter.")
     p.add_argument("out", metavar="OUT", help="output directory (created if needed); with "
                                               "--format torch, the output file (replaced)")
     p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
