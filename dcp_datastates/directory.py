@@ -21,6 +21,7 @@ import stat
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import CheckpointError
 
@@ -195,11 +196,21 @@ def write_new(tmp: Path, dest: Path, parts: Iterable[bytes | memoryview],
               fsync: Callable[[int], None] = os.fsync) -> None:
     """Write ``parts`` into the new file ``tmp`` (never through a link), fsync it, then rename
     it to ``dest``: no half-written file ever has that name. The caller fsyncs the directory."""
+
+    def fill(f: BinaryIO) -> None:
+        for part in parts:
+            f.write(part)
+
+    write_new_with(tmp, dest, fill, fsync)
+
+
+def write_new_with(tmp: Path, dest: Path, fill: Callable[[BinaryIO], object],
+                   fsync: Callable[[int], None] = os.fsync) -> None:
+    """:func:`write_new`, the file's bytes written by ``fill`` (given the open file)."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         with open(fd, "wb") as f:
-            for part in parts:
-                f.write(part)
+            fill(f)
             f.flush()
             fsync(f.fileno())
         os.replace(tmp, dest)

@@ -18,7 +18,12 @@ from torch.distributed.checkpoint.metadata import (
 
 from .errors import CheckpointCorruptError, brief
 from .file_format import ItemSpec, bounded_numel
-from .metadata_file import METADATA_NAME, ItemLocation
+from .metadata_file import (
+    METADATA_NAME,
+    FileSystemWriterLocation,
+    ItemLocation,
+    written_by_filesystem_writer,
+)
 
 #: Largest size, offset or element count a tensor may have (torch's are 64-bit).
 MAX_ELEMENTS = 2**63 - 1
@@ -62,7 +67,8 @@ def check_locations(directory: Path, metadata: Metadata) -> None:
     numbers: fields that are not what DCP's classes hold (the unpickler builds objects of the
     allowed classes with whatever fields the file gives), sizes and offsets beyond 64 bits, a
     stored chunk without a location or a location of no stored chunk, and locations that
-    point outside the checkpoint directory or make no sense."""
+    point outside the checkpoint directory or make no sense. The locations are all this
+    package's, or all DCP FileSystemWriter's."""
     path = directory / METADATA_NAME
     state = _field(metadata, "state_dict_metadata", dict, path)
     storage = _field(metadata, "storage_data", dict, path)
@@ -80,8 +86,9 @@ def check_locations(directory: Path, metadata: Metadata) -> None:
         else:
             raise CheckpointCorruptError(
                 f"{path}: item {fqn!r} is a {type(md).__name__}, not a tensor or bytes item")
+    check = _check_dcp_location if written_by_filesystem_writer(metadata) else _check_location
     for index, loc in storage.items():
-        _check_location(path, _key(path, index), loc, expected)
+        check(path, _key(path, index), loc, expected)
     if len(storage) < len(expected):  # each location is of one stored item, its own
         missing = expected.difference(_key(path, index) for index in storage)
         fqn, offsets = min(missing, key=lambda k: (k[0], k[1] or ()))
@@ -153,13 +160,50 @@ _KIND_NAMES = {dict: "a mapping", tuple: "a tuple", list: "a list", type(None): 
                torch.dtype: "a torch.dtype"}
 
 
-def _check_location(path: Path, key: _Key, loc: object, expected: set[_Key]) -> None:
-    """Reject a location of no stored item (``key``), or one that makes no sense."""
+def _check_held(path: Path, key: _Key, expected: set[_Key]) -> str:
+    """Reject a location of no stored item (``key``); return the item's fqn."""
     fqn, offsets = key
     if key not in expected:
         at = "" if offsets is None else f" at offsets {brief(offsets)}"
         raise CheckpointCorruptError(f"{path}: a location names item {fqn!r}{at}, which the "
                                      f"metadata does not hold")
+    return fqn
+
+
+def _file_name_ok(file: object) -> bool:
+    """Whether a location's ``file`` names a file in the checkpoint directory itself."""
+    return isinstance(file, str) and file not in ("", ".", "..") and (
+        "/" not in file and "\\" not in file and "\0" not in file)
+
+
+def _span_ok(offset: object, length: object) -> bool:
+    """Whether a location's ``offset`` and ``length`` are integers of 0..``MAX_ELEMENTS``."""
+    return (type(offset) is int and type(length) is int  # bools are not offsets or lengths
+            and 0 <= offset <= MAX_ELEMENTS and 0 <= length <= MAX_ELEMENTS)
+
+
+def _check_dcp_location(path: Path, key: _Key, loc: object, expected: set[_Key]) -> None:
+    """Reject a DCP FileSystemWriter location of no stored item (``key``), or one that makes
+    no sense."""
+    fqn = _check_held(path, key, expected)
+    if not isinstance(loc, FileSystemWriterLocation):
+        raise CheckpointCorruptError(
+            f"{path}: item {fqn!r} is a {type(loc).__name__} where the other locations are DCP "
+            f"FileSystemWriter's")
+    file, offset = getattr(loc, "relative_path", None), getattr(loc, "offset", None)
+    length = getattr(loc, "length", None)
+    transforms = getattr(loc, "transform_descriptors", None)
+    if not _file_name_ok(file) or not _span_ok(offset, length) or not (
+            transforms is None or isinstance(transforms, (list, tuple))
+            and all(type(t) is str for t in transforms)):
+        raise CheckpointCorruptError(
+            f"{path}: item {fqn!r} has an invalid location (file {brief(file, 100)}, offset "
+            f"{brief(offset)}, length {brief(length)}, transforms {brief(transforms, 100)})")
+
+
+def _check_location(path: Path, key: _Key, loc: object, expected: set[_Key]) -> None:
+    """Reject a location of no stored item (``key``), or one that makes no sense."""
+    fqn = _check_held(path, key, expected)
     if not isinstance(loc, ItemLocation):
         raise CheckpointCorruptError(
             f"{path}: item {fqn!r} has no DataStates location; was this checkpoint written by "
@@ -167,13 +211,8 @@ def _check_location(path: Path, key: _Key, loc: object, expected: set[_Key]) -> 
         )
     file, offset = getattr(loc, "file", None), getattr(loc, "offset", None)
     length, block = getattr(loc, "length", None), getattr(loc, "block", None)
-    name_ok = isinstance(file, str) and file not in ("", ".", "..") and (
-        "/" not in file and "\\" not in file and "\0" not in file
-    )
-    numbers_ok = (  # bools are not offsets or lengths
-        type(offset) is int and type(length) is int and type(block) is int
-        and 0 <= offset <= MAX_ELEMENTS and 0 <= length <= MAX_ELEMENTS
-        and 0 < block <= MAX_ELEMENTS)
+    name_ok = _file_name_ok(file)
+    numbers_ok = _span_ok(offset, length) and type(block) is int and 0 < block <= MAX_ELEMENTS
     if not name_ok or not numbers_ok:
         raise CheckpointCorruptError(
             f"{path}: item {fqn!r} has an invalid location (file {brief(file, 100)}, "

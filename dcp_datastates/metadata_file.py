@@ -3,7 +3,9 @@
 The file is a pickle of DCP's ``Metadata`` followed by a seal: a magic and the XXH3-64 of
 everything before the digest, so that any damage to the file is seen before it is unpickled.
 ``pickle.load`` stops where the pickle ends, so other readers ignore the seal. Files written
-before the seal existed have none; they are read as they are.
+before the seal existed have none; they are read as they are. The ``.metadata`` of DCP's own
+FileSystemWriter (a plain pickle whose locations are its ``_StorageInfo``) is read by the same
+restricted unpickler, where the caller allows it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import pickle
 import struct
 import sys
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import FrameType
 from typing import NoReturn
 
 import torch
 import xxhash
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
@@ -54,6 +57,9 @@ class ItemLocation:
     block: int
 
 
+#: DCP FileSystemWriter's location of an item (file, offset, length) in its ``.metadata``.
+FileSystemWriterLocation = _StorageInfo
+
 _SAFE_GLOBALS = [
     Metadata,
     MetadataIndex,
@@ -66,10 +72,6 @@ _SAFE_GLOBALS = [
     ItemLocation,
     torch.Size,
 ]
-
-
-#: DCP's own FileSystemWriter stores each item's location as this class.
-_FILESYSTEM_WRITER_LOCATION = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 
 
 WRONG_READER = (
@@ -151,7 +153,18 @@ class _NewerTensorProperties(TensorProperties):
         self.__setstate__(tuple(state)[:_PROPERTIES_FIELDS])
 
 
+def _path_string(*parts: str) -> str:
+    """A pickled ``PosixPath`` (FileSystemWriter's ``storage_meta.checkpoint_id``) as a string,
+    as this package's own metadata holds it."""
+    if not all(type(part) is str for part in parts):
+        raise pickle.UnpicklingError(f"a path of {brief(parts, 100)}, not of strings")
+    return str(PurePosixPath(*parts))
+
+
 _ALLOWED = {(c.__module__, c.__qualname__): c for c in _SAFE_GLOBALS} | {
+    (_StorageInfo.__module__, _StorageInfo.__qualname__): _StorageInfo,
+    ("pathlib", "PosixPath"): _path_string,
+    ("pathlib._local", "PosixPath"): _path_string,  # pickled by Python 3.13 and later
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     (written_by_datastates.__module__, written_by_datastates.__qualname__): _unseal,
     (TensorProperties.__module__, TensorProperties.__qualname__): _NewerTensorProperties,
@@ -176,16 +189,10 @@ def _enum_member(cls: object, name: object) -> enum.Enum:
     return member
 
 
-class _FileSystemWriterCheckpoint(pickle.UnpicklingError):
-    """The metadata holds DCP FileSystemWriter's item locations."""
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata classes, torch dtypes and sizes, and nothing else."""
 
     def find_class(self, module: str, name: str) -> object:
-        if (module, name) == _FILESYSTEM_WRITER_LOCATION:
-            raise _FileSystemWriterCheckpoint
         if (module, name) == ("builtins", "getattr"):
             return _enum_member
         allowed = _ALLOWED.get((module, name))
@@ -247,18 +254,33 @@ def write_metadata(directory: Path, metadata: Metadata, token: str,
 
 
 def _no_metadata(directory: Path) -> OSError:
-    """Why ``directory`` has no ``.metadata``: it does not exist, it is a file, or it holds no
-    committed checkpoint."""
+    """Why ``directory`` has no ``.metadata``: it does not exist, it is a file, it holds a DCP
+    checkpoint of per-rank metadata, or it holds no committed checkpoint."""
     if not directory.is_dir() and os.path.lexists(directory):
         return NotADirectoryError(f"{directory} is a file, not a checkpoint directory")
+    if os.path.lexists(rank_local := directory / f"__0{METADATA_NAME}"):
+        return FileNotFoundError(
+            f"{directory} holds a DCP checkpoint of per-rank metadata ({rank_local.name}: "
+            f"dcp.save(use_collectives=False)) and no {METADATA_NAME}, which DataStatesReader "
+            f"reads: load it with torch.distributed.checkpoint.FileSystemReader")
     why = ("the directory does not exist" if not os.path.lexists(directory)
            else "an unfinished or failed save leaves none")
     return FileNotFoundError(
         f"{directory} is not a checkpoint: {METADATA_NAME} is missing ({why})")
 
 
-def read_metadata(directory: Path) -> Metadata:
-    """Load ``directory/.metadata``, allowing only DCP's metadata classes (no arbitrary pickle)."""
+def written_by_filesystem_writer(metadata: Metadata) -> bool:
+    """Whether ``metadata`` is of a checkpoint of DCP's FileSystemWriter (its locations are)."""
+    storage = getattr(metadata, "storage_data", None)
+    return isinstance(storage, dict) and any(
+        isinstance(loc, FileSystemWriterLocation) for loc in storage.values())
+
+
+def read_metadata(directory: Path, *, filesystem_writer: bool = False) -> Metadata:
+    """Load ``directory/.metadata``, allowing only DCP's metadata classes (no arbitrary pickle).
+
+    A checkpoint of DCP's FileSystemWriter is refused, saying so, unless ``filesystem_writer``.
+    """
     path = directory / METADATA_NAME
     try:
         fd = open_regular(path)
@@ -276,12 +298,6 @@ def read_metadata(directory: Path) -> Metadata:
             metadata = _unpickle(_unsealed(data, path))
     except CheckpointCorruptError:
         raise
-    except _FileSystemWriterCheckpoint:
-        raise CheckpointError(
-            f"{directory} is a DCP FileSystemWriter checkpoint (dcp.save without a "
-            f"storage_writer), not a DataStatesWriter one: load it with "
-            f"torch.distributed.checkpoint.FileSystemReader (dcp.load without storage_reader=)"
-        ) from None
     except Exception as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         first = lines[0] if lines else ""
@@ -293,7 +309,19 @@ def read_metadata(directory: Path) -> Metadata:
         ) from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
+    if not filesystem_writer and written_by_filesystem_writer(metadata):
+        raise CheckpointError(filesystem_writer_refused(directory))
     return metadata
+
+
+def filesystem_writer_refused(
+        directory: Path, why: str = "only a DataStatesWriter checkpoint serves here") -> str:
+    """The error of a DCP FileSystemWriter checkpoint where a DataStatesWriter one is needed
+    (``why``: what needs it)."""
+    return (f"{directory} is a DCP FileSystemWriter checkpoint (dcp.save without a "
+            f"storage_writer), not a DataStatesWriter one: {why}. DataStatesReader loads it "
+            f"(dcp.load(state, checkpoint_id=..., storage_reader=DataStatesReader())), through "
+            f"DCP's FileSystemReader")
 
 
 def _unpickle(data: bytes) -> object:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -17,9 +19,14 @@ from .directory import checkpoint_path, is_url
 from .engine import Engine, default_engine
 from .entries import check_locations
 from .jobs.load import LoadJob
-from .metadata_file import METADATA_NAME, metadata_stamp, read_metadata
+from .metadata_file import (
+    METADATA_NAME,
+    metadata_stamp,
+    read_metadata,
+    written_by_filesystem_writer,
+)
 from .mismatch import check_state_matches, planner_of
-from .stats import LoadStats
+from .stats import LoadStats, log
 
 
 class DataStatesReader(StorageReader):
@@ -27,6 +34,13 @@ class DataStatesReader(StorageReader):
 
     Make one per load, as DCP does: it holds no memory; reads go through the engine's I/O
     backend and its pinned bounce buffers (for GPU targets).
+
+    A checkpoint of DCP's own ``FileSystemWriter`` (``.distcp`` data files) loads too: its
+    ``.metadata`` is read by this package's restricted unpickler (no pickled code runs), and
+    the reads go to DCP's ``FileSystemReader``, which loads each tensor with
+    ``torch.load(weights_only=True)``; there are no checksums to verify. As for this package's
+    checkpoints, non-tensor items are unpickled by DCP's planner (``torch.load``): load only
+    checkpoints you trust.
 
     Args:
         path: checkpoint directory; may instead be given as ``checkpoint_id`` to ``dcp.load``.
@@ -49,6 +63,7 @@ class DataStatesReader(StorageReader):
         self._metadata: Metadata | None = None  # read by reset(), handed out once
         self._stats: LoadStats | None = None
         self._stamp: tuple | None = None  # the .metadata read
+        self._dcp_reader: FileSystemReader | None = None  # reads a FileSystemWriter checkpoint
 
     @property
     def engine(self) -> Engine:
@@ -81,6 +96,14 @@ class DataStatesReader(StorageReader):
         if planner is not None:
             check_state_matches(planner.state_dict, metadata, self.path,
                                 strict=not planner.allow_partial_load)
+        self._dcp_reader = None
+        if written_by_filesystem_writer(metadata):
+            self._dcp_reader = FileSystemReader(self._checkpoint_dir())
+            self._dcp_reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            if is_coordinator:
+                log.info("dcp_datastates: %s is a DCP FileSystemWriter checkpoint: reading it "
+                         "with DCP's FileSystemReader (tensors by torch.load(weights_only=True), "
+                         "no checksums to verify)", self.path)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -91,12 +114,30 @@ class DataStatesReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         if self.metadata is None:
             raise RuntimeError("DataStatesReader: read_data came before set_up_storage_reader")
+        if self._dcp_reader is not None:
+            return self._read_filesystem_writer(plan, planner)
         job = LoadJob(self.engine, self._checkpoint_dir(), self.metadata, self.verify_checksums,
                       self.direct_io, self._stamp)
         self._stats = job.read(plan, planner)
         self._stats.log()
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
+        return future
+
+    def _read_filesystem_writer(self, plan: LoadPlan, planner: LoadPlanner
+                                ) -> torch.futures.Future[None]:
+        """Read ``plan`` of a FileSystemWriter checkpoint with DCP's reader; the figures count
+        the stored bytes of the items read."""
+        assert self._dcp_reader is not None and self.metadata is not None
+        stats = LoadStats("FileSystemReader", verified=False)
+        start = time.perf_counter()
+        future = self._dcp_reader.read_data(plan, planner)
+        future.wait()
+        stats.seconds = time.perf_counter() - start
+        stats.bytes_read = sum(self.metadata.storage_data[item.storage_index].length
+                               for item in plan.items)
+        self._stats = stats
+        stats.log()
         return future
 
     def last_stats(self) -> LoadStats | None:
@@ -116,7 +157,7 @@ class DataStatesReader(StorageReader):
     def _read_checked(self) -> Metadata:
         directory = self._checkpoint_dir()
         self._stamp = metadata_stamp(directory)
-        metadata = read_metadata(directory)
+        metadata = read_metadata(directory, filesystem_writer=True)
         check_locations(directory, metadata)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()

@@ -148,21 +148,6 @@ def test_garbage_metadata(tmp_path: Path, make_writer) -> None:
         load_into(old, directory)
 
 
-def test_filesystem_writer_checkpoint_points_at_filesystem_reader(tmp_path: Path) -> None:
-    state = _state()
-    expected = clone_state(state)
-    dcp.save(state, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
-    with raises_in_dcp(
-        CheckpointError,
-        rf"{re.escape(str(tmp_path))} is a DCP FileSystemWriter checkpoint .* load it with "
-        r"torch\.distributed\.checkpoint\.FileSystemReader",
-    ):
-        load_into(state, tmp_path)
-    loaded = blank_like(expected)  # and that reader does load it
-    dcp.load(loaded, storage_reader=FileSystemReader(tmp_path), no_dist=True)
-    assert_state_equal(loaded, expected)
-
-
 def _dcp_error(err: BaseException) -> str:
     """The message of the error a DCP call raised (a rank's own, if DCP wrapped it)."""
     if isinstance(err, CheckpointException):

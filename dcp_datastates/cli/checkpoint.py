@@ -1,5 +1,6 @@
 """A checkpoint as the commands see it: ``.metadata``, its stored chunks by item, whether
-each tensor's chunks tile it, and whether a data file is usable."""
+each tensor's chunks tile it, and whether a data file is usable. A checkpoint of DCP's own
+FileSystemWriter is read too; the commands that need this package's files refuse it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,15 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from ..directory import open_regular
 from ..entries import check_locations, stored_spec
+from ..errors import CheckpointError
 from ..file_format import ItemSpec
-from ..metadata_file import ItemLocation, read_metadata
+from ..metadata_file import (
+    FileSystemWriterLocation,
+    ItemLocation,
+    filesystem_writer_refused,
+    read_metadata,
+    written_by_filesystem_writer,
+)
 
 
 @dataclass(frozen=True)
@@ -24,11 +32,18 @@ class Chunk:
     """One stored chunk of an item: its DCP index and its location."""
 
     index: MetadataIndex
-    loc: ItemLocation
+    loc: ItemLocation  # a FileSystemWriterLocation in a DCP FileSystemWriter checkpoint
 
     @property
     def fqn(self) -> str:
         return self.index.fqn
+
+    @property
+    def file(self) -> str:
+        """The data file that holds the chunk (either writer's)."""
+        if isinstance(self.loc, FileSystemWriterLocation):
+            return self.loc.relative_path
+        return self.loc.file
 
     @property
     def offsets(self) -> tuple[int, ...] | None:
@@ -36,9 +51,13 @@ class Chunk:
         return None if self.index.offset is None else tuple(self.index.offset)
 
 
-def load_checkpoint(path: Path) -> tuple[Metadata, dict[str, list[Chunk]]]:
-    """The checkpoint's metadata (its locations checked) and its stored chunks by fqn."""
-    md = read_metadata(path)
+def load_checkpoint(path: Path, refuse_filesystem_writer: str | None = None
+                    ) -> tuple[Metadata, dict[str, list[Chunk]]]:
+    """The checkpoint's metadata (its locations checked) and its stored chunks by fqn. A DCP
+    FileSystemWriter checkpoint is refused where ``refuse_filesystem_writer`` says why."""
+    md = read_metadata(path, filesystem_writer=True)
+    if refuse_filesystem_writer is not None and written_by_filesystem_writer(md):
+        raise CheckpointError(filesystem_writer_refused(path, refuse_filesystem_writer))
     check_locations(path, md)
     chunks: dict[str, list[Chunk]] = defaultdict(list)
     for index, loc in md.storage_data.items():

@@ -1,5 +1,6 @@
 """``export``: full tensors, stitched from their stored chunks by the load job, written as
-Hugging Face-style safetensors file(s), durably."""
+Hugging Face-style safetensors file(s), durably; or, with ``--format torch``, the whole state
+dict in one ``torch.save`` file (:mod:`.export_torch`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .checkpoint import (
     tiling_problems,
     where,
 )
+from .export_torch import export_torch
 from .output import OutputDir, inside
 from .progress import Progress
 from .reads import BATCH_BYTES, Planner, batches, chunk_reads, read
@@ -41,6 +43,7 @@ EXPORT_NAMES = re.compile(
 INDEX_NAME = "model.safetensors.index.json"
 #: The files a loader opens first (the others are shards the index names).
 ENTRY_NAMES = frozenset({"model.safetensors", INDEX_NAME})
+DEFAULT_SHARD_SIZE = "5GB"
 
 
 @dataclass
@@ -167,14 +170,23 @@ def _write(src: _Source, out: OutputDir, max_bytes: int) -> list[str]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write full tensors as Hugging Face-style safetensors file(s)."""
+    """Write full tensors as Hugging Face-style safetensors file(s), or (``--format torch``)
+    the state dict as a ``torch.save`` file."""
     path, out_path = cli_path(args.path), cli_path(args.out)
-    max_bytes = parse_size(args.max_shard_size, name="--max-shard-size")
+    if args.format == "torch":
+        if args.prefix or args.max_shard_size is not None:
+            print("error: --prefix and --max-shard-size apply to --format safetensors only: "
+                  "--format torch writes the whole state dict to one file", file=sys.stderr)
+            return 1
+        return export_torch(args, path, out_path)
+    max_bytes = parse_size(args.max_shard_size or DEFAULT_SHARD_SIZE, name="--max-shard-size")
     if inside(out_path, path):
         print(f"error: output directory {out_path} is inside the checkpoint directory {path}: "
               f"export elsewhere", file=sys.stderr)
         return 1
-    md, chunks = load_checkpoint(path)
+    md, chunks = load_checkpoint(path, refuse_filesystem_writer=(
+        "the safetensors export reads DataStatesWriter checkpoints; `export --format torch` "
+        "exports this one"))
     fqns = _select(md, args.prefix)
     if not fqns:
         print(f"error: {path}: no tensors to export", file=sys.stderr)
@@ -204,15 +216,23 @@ def cmd_export(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``export``."""
     p = add_command(
-        sub, "export", "write full tensors as Hugging Face-style safetensors",
+        sub, "export", "write full tensors as Hugging Face-style safetensors, or torch.save",
         "Export a checkpoint to consolidated safetensors: every tensor is stitched from its "
         "stored chunks into its full global shape. Writes model.safetensors, or, above "
         "--max-shard-size, model-0000i-of-0000N.safetensors files plus "
         "model.safetensors.index.json. Non-tensor items and dtypes safetensors cannot hold "
-        "are skipped with a note.")
-    p.add_argument("out", metavar="OUT", help="output directory (created if needed)")
-    p.add_argument("--max-shard-size", default="5GB",
-                   help="largest output file, e.g. 5GB, 500MiB, bytes (default: 5GB)")
+        "are skipped with a note. With --format torch, writes the whole state dict instead "
+        "(nested as it was saved, every dtype, non-tensor items included) to the file OUT "
+        "with torch.save, loadable by torch.load(OUT, weights_only=True) where its non-tensor "
+        "items are plain Python objects; it is built in memory. --format torch also exports "
+        "checkpoints of DCP's own FileSystemWriter.")
+    p.add_argument("out", metavar="OUT", help="output directory (created if needed); with "
+                                              "--format torch, the output file (replaced)")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
+                   help="safetensors files (default), or one torch.save file")
+    p.add_argument("--max-shard-size", default=None,
+                   help=f"largest output file, e.g. 5GB, 500MiB, bytes (default: "
+                        f"{DEFAULT_SHARD_SIZE})")
     p.add_argument("--prefix", default="",
                    help="export only keys starting with this prefix, with it stripped "
                         "(e.g. 'model.')")

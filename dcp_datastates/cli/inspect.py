@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..metadata_file import written_by_filesystem_writer
 from ..sizes import format_size
 from .arguments import add_command, cli_path
 from .checkpoint import dtype_name, file_size, load_checkpoint
@@ -25,7 +26,7 @@ def inspect_data(path: Path) -> dict[str, Any]:
     per_file: dict[str, int] = defaultdict(int)
     for fqn, smd in sorted(md.state_dict_metadata.items()):
         stored = chunks.get(fqn, [])
-        files = sorted({c.loc.file for c in stored})
+        files = sorted({c.file for c in stored})
         for f in files:
             per_file[f] += 1
         tensor = isinstance(smd, TensorStorageMetadata)
@@ -51,7 +52,9 @@ def inspect_data(path: Path) -> dict[str, Any]:
         "files": len(files_out),
         "file_bytes": sum(f["size"] or 0 for f in files_out),
     }
-    return {"path": str(path), "items": items, "files": files_out, "totals": totals}
+    writer = "FileSystemWriter" if written_by_filesystem_writer(md) else "DataStatesWriter"
+    return {"path": str(path), "writer": writer, "items": items, "files": files_out,
+            "totals": totals}
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -75,6 +78,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for f in data["files"]:
         if f["problem"] is not None:
             print(f"warning: data file {f['name']} {f['problem']}", file=sys.stderr)
+    if data["writer"] == "FileSystemWriter":
+        print("note: a checkpoint of DCP's FileSystemWriter (no checksums): DataStatesReader "
+              "loads it through DCP's FileSystemReader", file=sys.stderr)
     t = data["totals"]
     print(f"\ntotal: {t['items']} items ({t['tensors']} tensors, {t['chunks']} chunks), "
           f"{t['bytes']} item bytes ({format_size(t['bytes'])}) in {t['files']} files "
@@ -88,6 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         sub, "inspect", "list the items and data files of a checkpoint",
         "Inspect a checkpoint: list every item (fqn, kind, dtype, global shape, number of "
         "stored chunks, bytes, data file(s)), then each data file with its size and item "
-        "count, then totals. Reads only .metadata and file sizes.")
+        "count, then totals. Reads only .metadata and file sizes. Checkpoints of DCP's own "
+        "FileSystemWriter are listed too.")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=cmd_inspect)

@@ -148,7 +148,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Check every data file's header against ``.metadata``, and re-read every stored byte
     against the checksums in ``.metadata``."""
     path = cli_path(args.path)
-    md, chunks = load_checkpoint(path)
+    md, chunks = load_checkpoint(path, refuse_filesystem_writer=(
+        "it holds no checksums or headers to verify; `export --format torch` reads every item "
+        "of it"))
     by_file: dict[str, list[Chunk]] = defaultdict(list)
     for cs in chunks.values():
         for c in cs:

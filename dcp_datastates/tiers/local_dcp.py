@@ -1,4 +1,5 @@
-"""DCP's one-process save and load, which a rank's memory-tier checkpoints are.
+"""DCP's one-process save and load, which a rank's memory-tier checkpoints are (and which the
+command line's ``export --format torch`` uses to load a whole checkpoint).
 
 A memory-tier checkpoint is one rank's own (ranks commit at their own pace, with no collective),
 so DCP runs it with ``no_dist=True``. DCP's public ``save`` and ``load`` then warn at every call
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -58,6 +60,18 @@ def load(state: dict, directory: Path, reader: DataStatesReader) -> None:
             value.load_state_dict(loaded[key])
         else:
             state[key] = loaded[key]
+
+
+def load_whole(directory: Path, reader: DataStatesReader) -> dict:
+    """The whole state dict of the checkpoint in ``directory``, made from its metadata and
+    nested as it was saved (DCP's ``_EmptyStateDictLoadPlanner``, as DCP's
+    ``dcp_to_torch_save`` loads), in CPU memory."""
+    state: dict = {}
+    with storage_errors():
+        reader.reset(str(directory))
+        _load_state_dict(state_dict=state, storage_reader=reader, no_dist=True,
+                         planner=_EmptyStateDictLoadPlanner())
+    return state
 
 
 @contextlib.contextmanager
