@@ -7,6 +7,14 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := cmake gcc make liburing-dev libxxhash-dev
 MPI_APT_PACKAGES := openmpi-bin libopenmpi-dev  # only the multi-rank tests need them
+# apt-get waits up to 10 minutes for the dpkg lock that another apt (unattended-upgrades)
+# holds; `apt-get update` ignores that option for the lock of its lists, so WAIT_APT_LISTS
+# waits for that one first (the fcntl lock apt takes; still held after 10 minutes, update
+# fails naming its holder)
+APT_GET := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get -q -o DPkg::Lock::Timeout=600
+APT_LISTS_LOCK := /var/lib/apt/lists/lock
+WAIT_APT_LISTS := $(SUDO) timeout 600 $(PYTHON) -c 'import fcntl; \
+	fcntl.lockf(open("$(APT_LISTS_LOCK)", "a"), fcntl.LOCK_EX)' || true
 SHIM := dcp_datastates/_lib/libdcp_uring.so
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 600 mpirun --oversubscribe
 MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py tests/test_tiers_mpi.py \
@@ -22,8 +30,7 @@ setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
 	@pkgs="$(APT_PACKAGES)"; $(PYTHON) -c 'import ensurepip' 2>/dev/null || pkgs="$$pkgs python3-venv"; \
 	if ! dpkg -s $$pkgs >/dev/null 2>&1; then \
-		$(SUDO) apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$pkgs; fi
+		$(WAIT_APT_LISTS); $(APT_GET) update && $(APT_GET) install -y $$pkgs; fi
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test,bench]" tyro
@@ -32,8 +39,8 @@ $(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
 
 ## mpi: Open MPI (mpirun, and the library mpi4py's wheel loads), for test-mpi only
 mpi:
-	@dpkg -s $(MPI_APT_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(MPI_APT_PACKAGES); }
+	@dpkg -s $(MPI_APT_PACKAGES) >/dev/null 2>&1 || { $(WAIT_APT_LISTS); \
+		$(APT_GET) update && $(APT_GET) install -y $(MPI_APT_PACKAGES); }
 
 # The editable install maps the package's directories as they are when it is made (a directory
 # made later, or given an __init__.py later, is not seen): this file changes when they do.

@@ -1,6 +1,6 @@
 """The engine's host arenas: the snapshot cache, the bounce arena and memory-tier slot mappings.
 
-The snapshot cache is made (mapped, populated, pinned, registered: about 0.5 s per GiB) and
+The snapshot cache is made (mapped, populated, pinned, registered: seconds for a few GiB) and
 grown on a thread of its own, the *arena thread*, never on a thread a save waits for: a save
 that finds it missing or too small starts it there (:meth:`Arenas.snapshot_memory`), copies
 its snapshot aside meanwhile (:mod:`.aside`), and queues the move into the cache behind it

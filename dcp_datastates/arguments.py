@@ -13,14 +13,29 @@ from typing import TypeVar
 #: Options that the engine took over from the writer and the reader (one engine per process
 #: owns the host cache, the I/O backend and its threads).
 ENGINE_OPTIONS = ("host_cache_size", "io_backend", "io_workers")
+#: Options of DCP's FileSystemWriter that have no keyword here: what takes each one's place.
+#: (``overwrite`` is the writer's own; its default is False.)
+FILESYSTEM_OPTIONS = {
+    "thread_count": "the engine's I/O threads write: pass engine=Engine(io_workers=...) (from "
+                    "dcp_datastates import Engine)",
+    "sync_files": "not needed, every data file and .metadata is fsynced before the checkpoint "
+                  "is committed",
+    "single_file_per_rank": "not needed, each rank writes one data file",
+    "per_thread_copy_ahead": "not needed, a save is snapshotted into the engine's host cache "
+                             "(sized by Engine(host_cache_size=...))",
+    "cache_staged_state_dict": "not needed, the engine's host cache is made once and reused by "
+                               "every save",
+    "serialization_format": "not needed, data files are safetensors",
+}
 
 F = TypeVar("F", bound=Callable[..., None])
 
 
 def checked_keywords(init: F) -> F:
     """Wrap a class's ``__init__`` so that an unknown keyword raises a TypeError naming where
-    an option of the engine went, or the closest real keyword (Python's "did you mean"); an
-    object other than a path passed positionally (``DataStatesWriter(engine)``) is named too.
+    an option of the engine or of DCP's FileSystemWriter went, or the closest real keyword
+    (Python's "did you mean"); an object other than a path passed positionally
+    (``DataStatesWriter(engine)``) is named too.
 
     The check runs only when the call fails, so a constructor costs nothing more; the
     signature stays the real one (``inspect.signature`` follows ``__wrapped__``).
@@ -55,6 +70,9 @@ def unknown_keyword(owner: str, name: str, names: list[str]) -> str:
         return (f"{owner}() got {name}=, an option of the engine: pass "
                 f"engine=Engine({name}=...) (from dcp_datastates import Engine; one engine "
                 f"serves every writer, reader and manager of the process)")
+    if name in FILESYSTEM_OPTIONS and owner != "Engine":
+        return (f"{owner}() got {name}=, an option of DCP's FileSystemWriter: "
+                f"{FILESYSTEM_OPTIONS[name]}")
     said = f"{owner}() got an unexpected keyword argument {name!r}"
     close = difflib.get_close_matches(name, names, n=1)
     return f"{said}; did you mean {close[0]!r}?" if close else f"{said}; it takes {names}"

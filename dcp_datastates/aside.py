@@ -1,13 +1,14 @@
 """A snapshot's temporary place while the memory it goes to is still being made.
 
-The first save of a process finds no host cache: mapping, populating and pinning it takes about
-0.5 s per GiB. Rather than make training wait for that, :func:`stash` copies the sources aside
-at once: GPU tensors into one GPU buffer per device (a device-to-device copy, the fastest
-there is) where the device has room to spare, else into pageable host memory, as CPU tensors
-are. Training may change the sources as soon as it returns; the job moves the copies into the
-cache once it is ready and then calls :meth:`Aside.free`. A copy of a GPU source into pageable
-memory is slow (about 1.5 GiB/s): :func:`fits_on_gpu` tells a job whether it would come to that
-(a save into a memory-tier slot then waits for its slot instead).
+The first save of a process finds no host cache: mapping, populating and pinning it takes
+seconds for a few GiB. Rather than make training wait for that, :func:`stash` copies the
+sources aside at once: GPU tensors into one GPU buffer per device (a device-to-device copy,
+the fastest there is) where the device has room to spare, else into pageable host memory, as
+CPU tensors are. Training may change the sources as soon as it returns; the job moves the
+copies into the cache once it is ready and then calls :meth:`Aside.free`. A copy of a GPU
+source into pageable memory is slow (about 1.5 GiB/s): :func:`fits_on_gpu` tells a job
+whether it would come to that (a save into a memory-tier slot then waits for its slot
+instead).
 """
 
 from __future__ import annotations

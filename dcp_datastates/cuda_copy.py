@@ -99,8 +99,8 @@ class CudaCopier:
 
     @staticmethod
     def pin(addr: int, nbytes: int) -> None:
-        """Page-lock host memory for fast asynchronous copies (about 0.05 s per GiB of
-        populated memory), one :data:`PIN_PIECE` at a time with a pause between: each
+        """Page-lock host memory for fast asynchronous copies (a cost that grows with the
+        size: seconds for many GiB), one :data:`PIN_PIECE` at a time with a pause between: each
         ``cudaHostRegister`` holds the driver's lock, so other threads' CUDA calls (the
         training's) wait for one piece at most. :meth:`copy` splits copies at the pieces'
         bounds (a copy may not span two registrations)."""

@@ -218,7 +218,7 @@ class Engine:
     def map_file(self, fd: int, nbytes: int, name: str, *, pin: bool = True) -> Arena:
         """The first ``nbytes`` of the file ``fd`` mapped shared and pinned for GPU copies:
         an arena of the caller's (a memory-tier slot), freed by :meth:`unmap_file` or at
-        :meth:`close`. Pinning costs about 0.5 s per GiB; with ``pin=False`` the arena is
+        :meth:`close`. Pinning takes seconds for a few GiB; with ``pin=False`` the arena is
         mapped only (copies into it work, slower) until :meth:`pin_file`."""
         self.check_open()
         return self._arenas.files.map(fd, nbytes, name, pin)

@@ -6,7 +6,9 @@ import dataclasses
 import errno
 import json
 import os
+import pty
 import re
+import select
 import shutil
 import stat
 import subprocess
@@ -73,6 +75,35 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+def _run_on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """``python -m dcp_datastates ARGS`` with stderr on a pseudo-terminal: exit code, stdout,
+    and what the terminal showed."""
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "dcp_datastates", *args],
+                                stdout=subprocess.PIPE, stderr=follower)
+    finally:
+        os.close(follower)
+    shown = b""
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([leader], [], [], 1)[0]:
+                continue
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the command ended, the terminal is closed
+                break
+            if not chunk:
+                break
+            shown += chunk
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        os.close(leader)
+        proc.kill()
+    return proc.returncode, out.decode(), shown.decode()
+
+
 def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """``cli.main`` in this process (fast): exit code, stdout, stderr."""
     code = cli.main(list(args))
@@ -121,11 +152,37 @@ def test_inspect_json(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert data["totals"]["items"] == 5 and data["totals"]["tensors"] == 4
 
 
+def test_inspect_into_a_closed_pipe_exits_quietly(ckpt: Path) -> None:
+    """stdout's reader gone before the output comes (``inspect | head -1``): no traceback, no
+    error, the exit status of a command that SIGPIPE ended (141)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dcp_datastates", "inspect", str(ckpt)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # no reader left: the command's first write fails with EPIPE
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=60), err) == (141, b"")
+
+
 # -- verify -------------------------------------------------------------------------------------
 def test_verify_good(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _main(capsys, "verify", str(ckpt))
-    assert code == 0, err
-    assert out.startswith("OK:") and "100%" in err
+    assert (code, err) == (0, "")  # stderr is no terminal here: no progress bar
+    assert out.startswith("OK:")
+
+
+@pytest.mark.parametrize("command", ["verify", "export"])
+def test_progress_bar_only_on_a_terminal(ckpt: Path, tmp_path: Path, command: str) -> None:
+    """Where stderr is a pipe or a log the bar prints nothing (not a line per step); on a
+    terminal it is one line, rewritten in place, ended at 100%."""
+    args = [command, str(ckpt)] + ([str(tmp_path / "hf"), "--prefix", "model."]
+                                   if command == "export" else [])
+    piped = _run(*args)
+    assert (piped.returncode, piped.stderr) == (0, "")
+    code, out, shown = _run_on_a_terminal(*args)
+    assert code == 0, shown
+    assert out.startswith("OK:" if command == "verify" else "exported 3 tensors")
+    desc = {"verify": "verifying", "export": "exporting"}[command]
+    assert shown.startswith(f"\r{desc}:   0%") and shown.endswith("\r\n"), shown
+    assert f"\r{desc}: 100% (" in shown and shown.count("\n") == 1, shown
 
 
 def test_verify_flipped_byte(ckpt: Path, tmp_path: Path) -> None:
@@ -430,6 +487,23 @@ def test_export_skips_and_shards(
         assert torch.equal(merged[f"model.{k}"].view(torch.uint8), v.view(torch.uint8))
 
 
+def test_quiet_export_prints_no_notes(ckpt: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``-q``: no notes (an item skipped, an earlier export's files removed); a warning (a
+    tensor not exported) and errors still show."""
+    out = tmp_path / "hf"
+    code, _, err = _main(capsys, "export", str(ckpt), str(out), "--max-shard-size", "4KiB")
+    assert code == 0 and "note: skipped 1 non-tensor item(s): step" in err, err
+    code, stdout, err = _main(capsys, "export", "-q", str(ckpt), str(out))
+    assert code == 0 and stdout.startswith("exported 3 tensors"), err
+    assert err == ("warning: skipped 1 tensor(s) with dtypes safetensors cannot hold: "
+                   "opt.c (complex128)\n")  # no note, and it removed shards of the first one
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    code, _, err = _main(capsys, "export", "-q", str(ckpt), str(out / "model.safetensors"),
+                         "--prefix", "model.")
+    assert code == 1 and err.startswith("error: output directory "), err
+
+
 def _full_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return {"rows": torch.randn(5, 3, generator=g), "cols": torch.randn(4, 7, generator=g),
@@ -640,19 +714,39 @@ def test_export_checks_a_declared_4_tib_tensor_before_allocating_it(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("what", ["a file", "under a file"])
+@pytest.mark.parametrize("what", ["a file", "under a file", "a link to nothing",
+                                  "under a link to nothing", "a link to a file", "a device"])
 def test_export_to_a_file_says_so(ckpt: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str], what: str) -> None:
+    """An output path that is no directory, or lies under one, is refused naming the path in
+    the way, what it is and what to do."""
     (tmp_path / "file").write_bytes(b"mine")
-    out = tmp_path / "file" if what == "a file" else tmp_path / "file" / "hf"
+    (tmp_path / "nothing").symlink_to(tmp_path / "missing")
+    (tmp_path / "to-file").symlink_to(tmp_path / "file")
+    out = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "hf",
+           "a link to nothing": tmp_path / "nothing",
+           "under a link to nothing": tmp_path / "nothing" / "hf",
+           "a link to a file": tmp_path / "to-file", "a device": Path("/dev/null")}[what]
     code, _, err = _main(capsys, "export", "-q", str(ckpt), str(out), "--prefix", "model.")
     assert code == 1
+    other = "give another output directory (a missing one is made)\n"
     assert err == {
-        "a file": f"error: output directory {out} exists and is not a directory: give a "
-                  f"directory (it is made if missing)\n",
-        "under a file": f"error: cannot make the output directory {out}: Not a directory\n",
+        "a file": f"error: output directory {out} is a file: remove it, or {other}",
+        "under a file": f"error: cannot make the output directory {out}: {tmp_path / 'file'} "
+                        f"is a file: remove it, or {other}",
+        "a link to nothing": f"error: output directory {out} is a link to "
+                             f"{tmp_path / 'missing'}, which does not exist: make that "
+                             f"directory or remove the link, or {other}",
+        "under a link to nothing": f"error: cannot make the output directory {out}: "
+                                   f"{tmp_path / 'nothing'} is a link to {tmp_path / 'missing'}, "
+                                   f"which does not exist: make that directory or remove the "
+                                   f"link, or {other}",
+        "a link to a file": f"error: output directory {out} is a link to {tmp_path / 'file'}, "
+                            f"a file: remove the link, or {other}",
+        "a device": f"error: output directory {out} is not a directory: {other}",
     }[what]
     assert (tmp_path / "file").read_bytes() == b"mine"
+    assert not (tmp_path / "missing").exists()
 
 
 def test_two_exports_into_one_directory_cannot_interleave(

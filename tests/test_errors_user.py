@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, blank_like, raises_in_dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dcp_datastates import (
@@ -41,6 +41,40 @@ def test_an_option_of_the_engine_names_where_it_went(tmp_path: Path, cls: type,
         f"{cls.__name__}() got {option}=, an option of the engine: pass "
         f"engine=Engine({option}=...)")
     assert not (tmp_path / "memory").exists()  # refused before anything was made
+
+
+#: What each of FileSystemWriter's options says in its place.
+FILESYSTEM_OPTIONS = {
+    "thread_count": "the engine's I/O threads write: pass engine=Engine(io_workers=...)",
+    "sync_files": "not needed, every data file and .metadata is fsynced before the checkpoint "
+                  "is committed",
+    "single_file_per_rank": "not needed, each rank writes one data file",
+    "per_thread_copy_ahead": "not needed, a save is snapshotted into the engine's host cache "
+                             "(sized by Engine(host_cache_size=...))",
+    "cache_staged_state_dict": "not needed, the engine's host cache is made once and reused by "
+                               "every save",
+    "serialization_format": "not needed, data files are safetensors",
+}
+
+
+def test_every_option_of_filesystem_writer_is_answered() -> None:
+    """Each public keyword of DCP's FileSystemWriter is the writer's own or says what
+    replaces it (below)."""
+    theirs = {p for p in inspect.signature(FileSystemWriter).parameters
+              if p != "path" and not p.startswith("_")}
+    assert theirs == set(FILESYSTEM_OPTIONS) | {"overwrite"}
+    assert "overwrite" in inspect.signature(DataStatesWriter).parameters
+
+
+@pytest.mark.parametrize("cls", [DataStatesWriter, DataStatesReader])
+@pytest.mark.parametrize("option", sorted(FILESYSTEM_OPTIONS))
+def test_an_option_of_filesystem_writer_says_what_replaces_it(tmp_path: Path, cls: type,
+                                                              option: str) -> None:
+    with pytest.raises(TypeError) as info:
+        cls(tmp_path, **{option: 1})
+    assert str(info.value).startswith(
+        f"{cls.__name__}() got {option}=, an option of DCP's FileSystemWriter: "
+        f"{FILESYSTEM_OPTIONS[option]}")
 
 
 @pytest.mark.parametrize(("cls", "typo", "meant"), [

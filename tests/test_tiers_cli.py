@@ -195,6 +195,20 @@ def test_uncommitted_and_damaged_steps_are_refused(tiers: Tiers, engine: Engine,
     assert_state_equal(load_into(one_step, tiers.durable / "step_5"), one_step)
 
 
+def test_quiet_persist_prints_no_notes_but_its_errors(
+        tiers: Tiers, engine: Engine, one_step: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """``-q``: the note on a step passed over (never committed) is not printed; an error is."""
+    (tiers.memory / "step_6").mkdir()  # a save killed before it committed
+    code, out, err = persist(capsys, engine, "-q", tiers.memory, tiers.durable, "--step", 6)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"error: no memory tier in {tiers.memory} holds a committed "
+                          f"checkpoint of step 6"), err
+    code, out, err = persist(capsys, engine, "-q", tiers.memory, tiers.durable)
+    assert (code, err) == (0, "")
+    assert out.startswith("persisted step 5 ")
+    assert_state_equal(load_into(one_step, tiers.durable / "step_5"), one_step)
+
+
 def test_a_persist_resumed_after_a_kill_in_its_commit_leaves_no_temporary(
         tiers: Tiers, engine: Engine, one_step: dict, capsys: pytest.CaptureFixture[str]) -> None:
     """A persist killed while it wrote the step's ``.metadata`` leaves a

@@ -5,6 +5,8 @@ through the load job (:mod:`.reads`)."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +33,14 @@ def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
     args = build_parser().parse_args(argv)
     args.engine = engine
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # stdout's reader went away (``| head``): stop quietly, as a command killed by SIGPIPE
+        # would; what is still buffered for stdout goes to /dev/null at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (OSError, ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,9 +25,17 @@ def add_command(sub: argparse._SubParsersAction, name: str, summary: str,
     return p
 
 
-def add_quiet(p: argparse.ArgumentParser) -> None:
-    """``-q``/``--quiet``: no progress bar."""
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+def add_quiet(p: argparse.ArgumentParser, *, progress: bool = True) -> None:
+    """``-q``/``--quiet``: no notes (see :func:`note`), and no progress bar where the command
+    has one."""
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar and no notes" if progress else "no notes")
+
+
+def note(args: argparse.Namespace, text: str) -> None:
+    """Print ``note: text`` on stderr, unless ``-q`` was given."""
+    if not args.quiet:
+        print(f"note: {text}", file=sys.stderr)
 
 
 @contextmanager

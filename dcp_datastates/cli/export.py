@@ -22,7 +22,7 @@ from ..engine import Engine
 from ..errors import CheckpointCorruptError
 from ..file_format import SAFETENSORS_DTYPES, ItemSpec, export_header
 from ..sizes import format_size, parse_size
-from .arguments import add_command, add_quiet, cli_path, command_engine
+from .arguments import add_command, add_quiet, cli_path, command_engine, note
 from .checkpoint import (
     Chunk,
     chunk_spec,
@@ -103,10 +103,12 @@ def _shard_bytes(src: _Source, shard: list[str]) -> Iterator[bytes | memoryview]
         del tensors  # before the next batch is read
 
 
-def _select(md: Metadata, prefix: str) -> dict[str, str]:
-    """The tensors to export (out name -> fqn); notes on stderr for what is skipped."""
+def _select(args: argparse.Namespace, md: Metadata) -> dict[str, str]:
+    """The tensors to export (out name -> fqn); a note (non-tensor items) or a warning (dtypes
+    safetensors lacks) on stderr for what is skipped."""
     selected: dict[str, str] = {}
     skipped_bytes, skipped_dtype = [], []
+    prefix = args.prefix
     for fqn, smd in sorted(md.state_dict_metadata.items()):
         if not fqn.startswith(prefix):
             continue
@@ -117,8 +119,7 @@ def _select(md: Metadata, prefix: str) -> dict[str, str]:
         else:
             selected[fqn[len(prefix):]] = fqn
     if skipped_bytes:
-        print(f"note: skipped {len(skipped_bytes)} non-tensor item(s): "
-              f"{', '.join(skipped_bytes)}", file=sys.stderr)
+        note(args, f"skipped {len(skipped_bytes)} non-tensor item(s): {', '.join(skipped_bytes)}")
     if skipped_dtype:
         print(f"warning: skipped {len(skipped_dtype)} tensor(s) with dtypes safetensors cannot "
               f"hold: {', '.join(skipped_dtype)}", file=sys.stderr)
@@ -187,7 +188,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     md, chunks = load_checkpoint(path, refuse_filesystem_writer=(
         "the safetensors export reads DataStatesWriter checkpoints; `export --format torch` "
         "exports this one"))
-    fqns = _select(md, args.prefix)
+    fqns = _select(args, md)
     if not fqns:
         print(f"error: {path}: no tensors to export", file=sys.stderr)
         return 1
@@ -206,8 +207,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             progress.close()
         stale = out.publish(EXPORT_NAMES, ENTRY_NAMES)
     if stale:
-        print(f"note: removed {len(stale)} file(s) of an earlier export from {out_path}: "
-              f"{', '.join(stale)}", file=sys.stderr)
+        note(args, f"removed {len(stale)} file(s) of an earlier export from {out_path}: "
+                   f"{', '.join(stale)}")
     print(f"exported {len(fqns)} tensors, {total} bytes ({format_size(total)}) to {out_path} "
           f"in {len(names)} file(s): {', '.join(names)}")
     return 0

@@ -48,9 +48,12 @@ class OutputDir:
     def create(self) -> None:
         """Make the directory (and missing parents), claim it, remove what killed exports
         left in it, and make this export's staging directory."""
-        if os.path.lexists(self.path) and not self.path.is_dir():
-            raise NotADirectoryError(f"output directory {self.path} exists and is not a "
-                                     f"directory: give a directory (it is made if missing)")
+        if (blocker := _in_the_way(self.path)) is not None:
+            d, what, fix = blocker
+            at = ("output directory " if d == self.path else
+                  f"cannot make the output directory {self.path}: ")
+            raise NotADirectoryError(f"{at}{d} {what}: {fix}give another output directory "
+                                     f"(a missing one is made)")
         self._made = [d for d in (self.path, *self.path.parents) if not d.exists()]
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -109,6 +112,23 @@ class OutputDir:
         if self._fd >= 0:
             os.close(self._fd)  # the lock goes with it
             self._fd = -1
+
+
+def _in_the_way(path: Path) -> tuple[Path, str, str] | None:
+    """The first of ``path``'s parents, or ``path``, that exists and is not a directory: the
+    path, what it is and what to do about it (besides giving another path); None if none
+    is."""
+    for d in (*reversed(path.parents), path):
+        if not os.path.lexists(d) or d.is_dir():
+            continue
+        what = "a file" if d.is_file() else "not a directory"
+        if not d.is_symlink():
+            return d, f"is {what}", ("remove it, or " if d.is_file() else "")
+        if not d.exists():
+            return (d, f"is a link to {os.readlink(d)}, which does not exist",
+                    "make that directory or remove the link, or ")
+        return d, f"is a link to {os.readlink(d)}, {what}", "remove the link, or "
+    return None
 
 
 def inside(out: Path, path: Path) -> bool:

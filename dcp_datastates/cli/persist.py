@@ -4,11 +4,10 @@ copied into the durable tier, as the next manager on those directories would."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..sizes import format_size
 from ..tiers.offline import persist_job
-from .arguments import cli_path, command_engine
+from .arguments import add_quiet, cli_path, command_engine, note
 
 DESCRIPTION = """\
 Persist a checkpoint that CheckpointManager committed into memory tiers but did
@@ -55,8 +54,8 @@ def cmd_persist(args: argparse.Namespace) -> int:
     with command_engine(args) as engine:
         outcome = persist_job(engine, memory, cli_path(args.durable), args.step,
                               partial=args.partial, parents=args.parents)
-    for note in outcome.notes:
-        print(f"note: {note}", file=sys.stderr)
+    for text in outcome.notes:
+        note(args, text)
     if not outcome.written:
         print(f"nothing to persist: {outcome.reason}")
         return 0
@@ -90,4 +89,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--parents", action="store_true",
                    help="create DURABLE_DIR's missing parent directories (as mkdir -p); without "
                         "it a missing parent is refused, as a mistyped path would be")
+    add_quiet(p, progress=False)
     p.set_defaults(func=cmd_persist)

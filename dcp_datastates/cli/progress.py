@@ -8,13 +8,15 @@ from ..sizes import format_size
 
 
 class Progress:
-    """A byte-count progress bar on stderr: tqdm when installed, else a percentage line."""
+    """A byte-count progress bar on stderr: tqdm when installed, else a percentage line
+    rewritten in place. Shown only where stderr is a terminal: in a log or a pipe it would be
+    a line per step."""
 
     def __init__(self, total: int, desc: str, enabled: bool) -> None:
         self.total, self.desc, self.done, self.shown = total, desc, 0, -1
         self.bar = None
-        self.enabled = enabled
-        if enabled:
+        self.enabled = enabled and sys.stderr.isatty()
+        if self.enabled:
             try:
                 from tqdm import tqdm  # optional
                 self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True,
@@ -31,17 +33,15 @@ class Progress:
             self._show()
 
     def _show(self) -> None:
-        tty = sys.stderr.isatty()
         pct = 100 * self.done // self.total if self.total else 100
-        if pct != self.shown and (tty or pct // 10 != self.shown // 10):
+        if pct != self.shown:
             self.shown = pct
-            end = "\r" if tty else "\n"
-            print(f"{self.desc}: {pct:3d}% ({format_size(self.done)} of "
-                  f"{format_size(self.total)})", end=end, file=sys.stderr, flush=True)
+            print(f"\r{self.desc}: {pct:3d}% ({format_size(self.done)} of "
+                  f"{format_size(self.total)})", end="", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """End the bar's line."""
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled and sys.stderr.isatty():
+        elif self.enabled:
             print(file=sys.stderr)

@@ -233,8 +233,8 @@ class CheckpointManager:
             f"the next save then sets the newer steps aside{aside}")
 
     def prepare(self, state: dict, wait: bool = False) -> None:
-        """Have the memory tier's slots sized for states like ``state`` and pinned (about 0.8 s
-        per GiB each on a GPU host) in the background; saves meanwhile go into slots not pinned
+        """Have the memory tier's slots sized for states like ``state`` and pinned (seconds for
+        a slot of a few GiB) in the background; saves meanwhile go into slots not pinned
         yet (a slower copy). ``wait``: return once every slot is pinned (or pinning failed)."""
         self._check_open("nothing to prepare")
         if self._slots is not None:

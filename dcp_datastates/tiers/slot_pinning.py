@@ -1,5 +1,6 @@
 """The thread that readies a memory tier's free slots in the background (sizes and pins them),
-so that neither ``prepare()`` nor a save waits seconds per GiB for ``cudaHostRegister``.
+so that neither ``prepare()`` nor a save waits for ``cudaHostRegister`` (seconds for a few
+GiB).
 
 :class:`Background` runs a step function (the slot pool's) on a thread of its own, started at
 the first :meth:`~Background.wake`, until the function has nothing left to do; a later wake

@@ -9,9 +9,10 @@ no second copy. When retention drops the step, its ``.metadata`` goes first and 
 back to the slot directory, free for a later save. A slot whose file is gone (a failed save
 removed it) is unmapped and forgotten.
 
-Pinning (seconds per GiB) never delays a save: a slot is mapped unpinned, and the pool's
-pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save takes a pinned
-free slot if there is one, else an unpinned one (its snapshot is copied at pageable speed).
+Pinning (seconds for a slot of a few GiB) never delays a save: a slot is mapped unpinned, and
+the pool's pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save
+takes a pinned free slot if there is one, else an unpinned one (its snapshot is copied at
+pageable speed).
 Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
 pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
 ``limit``; a slot a dropped step gives back is free again. Saves that are committed before
