@@ -199,6 +199,8 @@ class SlotPool:
         self._readied = threading.Condition(self._lock)  # a slot left _readying
         self._waiting: list[NextSlot] = []  # saves waiting for a slot, in save order
         self._warned = self._failed = self._closed = False
+        self._spares = SPARE  # 0 once the tier had no room for them (release_free)
+        self._releasing = False  # the pool's thread readies none meanwhile
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
@@ -276,7 +278,7 @@ class SlotPool:
         """(Lock held) Make slots until :data:`SPARE` are free or being readied, once
         :meth:`prepare` said how large (``limit`` allowing)."""
         while (self._want is not None and self._count < self.limit
-               and len(self._free) + len(self._readying) < SPARE):
+               and len(self._free) + len(self._readying) < self._spares):
             self._free.append(Slot(self, next(self._names)))
             self._count += 1
 
@@ -304,7 +306,7 @@ class SlotPool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
         when none needs it."""
         with self._lock:
-            slot = None if self._failed or self._closed else next(
+            slot = None if self._failed or self._closed or self._releasing else next(
                 (s for s in self._free if not s.pinned
                  and (s.arena is not None or self._want is not None)), None)
             if slot is None:
@@ -343,6 +345,23 @@ class SlotPool:
         with self._lock:
             free = [*self._free, *self._readying]
             return sum(s.nbytes for s in free)
+
+    def release_free(self) -> int:
+        """A save does not fit on the tier: remove the free slots (once the one being readied,
+        if any, is), and make no more spares; return the bytes they took."""
+        with self._lock:
+            self._spares, self._releasing = 0, True
+            self._readied.wait_for(lambda: not self._readying)
+            slots, self._free = self._free, []
+            self._releasing = False
+        freed = sum(s.nbytes for s in slots)
+        for slot in slots:
+            self._forget(slot)
+        if slots:
+            log.info("dcp_datastates: the memory tier %s had no room for a save: %d free "
+                     "slot(s) removed; no slot is made ahead of the saves from now on",
+                     self.directory.parent, len(slots))
+        return freed
 
     def settle(self, slot: Slot | NextSlot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
