@@ -14,9 +14,10 @@ pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save 
 free slot if there is one, else an unpinned one (its snapshot is copied at pageable speed).
 Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
 pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
-``limit``; a slot a dropped step gives back is free again. Saves that are committed before
-the next one comes (every N steps) hold ``keep_memory + 2`` slots at most: the kept steps,
-the one being written and the spare.
+``limit``; a slot a dropped step gives back is free again (slots made stay). Saves that are
+committed before the next one comes (every N steps) hold ``keep_memory + 2`` slots at most:
+the kept steps, the one being written and the spare; one more while a step older than the
+kept ones is still being persisted (retention leaves it).
 A save taken while every slot is in use (or while saves wait for one) gets the next one to
 come free (:class:`NextSlot`), in save order: its snapshot waits aside meanwhile, as one
 into a slot not pinned yet does, and its move is queued once the slot is given (where the
