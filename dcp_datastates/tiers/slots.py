@@ -342,27 +342,30 @@ class SlotPool:
         return True
 
     def free_bytes(self) -> int:
-        """Bytes that free slots take on the tier (a save can reuse them)."""
+        """Bytes that free slots take on the tier (a save can reuse them), those the pool's
+        thread is to size (a spare just made) at the size :meth:`prepare` gave."""
         with self._lock:
             free = [*self._free, *self._readying]
-            return sum(s.nbytes for s in free)
+            sized = (None if self._want is None or self._failed or self._closed
+                     else header_room(self._want[1]) + round_up(self._want[0]))
+            return sum(s.nbytes if s.arena is not None or sized is None
+                       else max(s.nbytes, sized) for s in free)
 
     def release_free(self) -> int:
         """A save does not fit on the tier: remove the free slots (once the one being readied,
-        if any, is), and make no more spares; return the bytes they took."""
+        if any, is), and make no more spares; return how many were removed."""
         with self._lock:
             self._spares, self._releasing = 0, True
             self._readied.wait_for(lambda: not self._readying)
             slots, self._free = self._free, []
             self._releasing = False
-        freed = sum(s.nbytes for s in slots)
         for slot in slots:
             self._forget(slot)
         if slots:
             log.info("dcp_datastates: the memory tier %s had no room for a save: %d free "
                      "slot(s) removed; no slot is made ahead of the saves from now on",
                      self.directory.parent, len(slots))
-        return freed
+        return len(slots)
 
     def settle(self, slot: Slot | NextSlot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
