@@ -291,16 +291,18 @@ class GpuSums:
         # torch's pinned allocator may have made another device current on this thread (its
         # runtime's idea of the current device is not cuda.bindings'): the event is the device's
         _check(cudart.cudaSetDevice(device), "cudaSetDevice")
-        _check(cudart.cudaStreamWaitEvent(stream, after, 0), "cudaStreamWaitEvent")
-        args = (ctypes.c_void_p(host.data_ptr()), ctypes.c_uint(n))
-        pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-        _check(driver.cuLaunchKernel(kernel, -(-8 * n // _THREADS), 1, 1, _THREADS, 1, 1, 0,
-                                     stream, ctypes.addressof(pointers), 0), "cuLaunchKernel")
+        # made before the launch: nothing that can fail is left between it and the record
         event = _check(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming),
                        "cudaEventCreateWithFlags")
         try:
+            _check(cudart.cudaStreamWaitEvent(stream, after, 0), "cudaStreamWaitEvent")
+            args = (ctypes.c_void_p(host.data_ptr()), ctypes.c_uint(n))
+            pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+            _check(driver.cuLaunchKernel(kernel, -(-8 * n // _THREADS), 1, 1, _THREADS, 1, 1,
+                                         0, stream, ctypes.addressof(pointers), 0),
+                   "cuLaunchKernel")
             _check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
-        except BaseException:  # the table must outlive the kernel
+        except BaseException:  # the table must outlive a kernel launched (the caller goes on)
             cudart.cudaStreamSynchronize(stream)
             cudart.cudaEventDestroy(event)
             raise

@@ -145,6 +145,30 @@ def test_memory_limit_holds_when_the_state_grows_into_a_reused_slot(
     assert steps_in(tiers.memory) == [2]
 
 
+@pytest.mark.parametrize("keep", [1, 2])
+def test_the_spare_slot_gives_way_to_saves_under_memory_limit(tiers: Tiers, engine: Engine,
+                                                              keep: int) -> None:
+    """prepare() keeps a slot sized ahead of the next save; where ``memory_limit`` holds the
+    kept steps and the save being written but not that spare, the spare gives way: every
+    save is taken (as without prepare()), and the tier stays within the limit."""
+    size = 4 * MiB
+    limit = (keep + 1) * size + size // 2 + MiB
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=keep,
+                           persist=None, memory_limit=limit, engine=engine) as manager:
+        for step in range(1, keep + 5):
+            state = {"x": rand_tensor((size,), torch.uint8, step)}
+            manager.prepare(state, wait=True)  # the spare is sized before each save
+            manager.save(step, state).result(timeout=30)
+            manager.wait()
+            used = tier_bytes(tiers.memory)
+            assert used <= limit, f"step {step}: the tier holds {used} bytes, limit {limit}"
+        out = blank_like(state)
+        assert manager.load(out) == keep + 4
+        assert_state_equal(out, state)
+    assert steps_in(tiers.memory) == list(range(5, keep + 5))
+    assert slot_mappings() == []
+
+
 # -- layouts that change between saves -----------------------------------------------------------
 def _layouts() -> list[dict]:
     long = "n" * 900  # long names: a header larger than a slot's first room

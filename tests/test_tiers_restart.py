@@ -25,7 +25,7 @@ from conftest import (
     run_then_kill,
 )
 from fakes import HeldPinEngine
-from test_tiers import ROOT, TESTS, HoldWrites, make_state, steps_in
+from test_tiers import ROOT, TESTS, HoldWrites, make_state, steps_in, wait_until
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.io import ThreadPoolBackend
@@ -130,6 +130,41 @@ def test_slots_are_made_as_saves_need_them(tiers: Tiers, held: HeldPinEngine,
     growing = [min(k + 1, keep_memory + 2) for k in range(len(counts))]
     assert counts == growing, counts
     assert steps_in(tiers.memory)[-1] == 3 * keep_memory + 2
+
+
+def test_a_persist_that_lags_holds_one_slot_more(tiers: Tiers) -> None:
+    """persist="idle" (the default) on a durable tier slower than the saves: the step being
+    persisted stays in the memory tier beside the kept ones, so saves that each commit before
+    the next hold ``keep_memory + 3`` slots (the limit, never more), and the slots made stay
+    for later saves once the persist is over. Every save is taken."""
+    hold = HoldWrites(ThreadPoolBackend(), tiers.durable)
+    made = Engine(io_backend=hold, host_cache_size="8MiB", io_workers=4)
+    counts = []
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                               persist="idle", engine=made) as manager:
+            try:
+                manager.prepare(make_state(1), wait=True)
+                assert manager.save(1, make_state(1)).persisted is not None
+                assert hold.held.wait(30), "the persist of step 1 never reached the disk"
+                for step in range(2, 6):
+                    manager.save(step, make_state(step)).committed.result(30)
+                    wait_until(lambda s=step: steps_in(tiers.memory) == [1, s],
+                               f"retention after step {step}")
+                    counts.append(len(tier_files(tiers.memory)))
+            finally:  # a failed assertion must not leave close() waiting for held writes
+                hold.gate.set()
+            manager.wait()
+            for step in range(6, 9):
+                manager.save(step, make_state(step)).result(timeout=30)
+                manager.wait()
+                counts.append(len(tier_files(tiers.memory)))
+    finally:
+        hold.gate.set()
+        made.close()
+    assert max(counts[:4]) == 1 + 3, counts  # step 1 (persisting), the newest, saving, spare
+    assert counts[4:] == [1 + 3] * 3, counts  # kept: the most the tier needed
+    assert steps_in(tiers.durable) == [6, 7, 8]
 
 
 def test_prepare_and_saves_do_not_wait_for_pinning(tiers: Tiers, held: HeldPinEngine,

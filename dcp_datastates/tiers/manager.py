@@ -67,7 +67,7 @@ class CheckpointManager:
             (made 0700). Give every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (plus the one being written and one ready
             for the next save: size the tier for ``keep_memory + 2`` states, ``+ 3`` where
-            saves pile up; slots are made as saves need them).
+            saves pile up or a persist lags behind them; slots are made as saves need them).
         keep_durable: durable checkpoints kept (None: all); also the sets of steps set
             aside in ``durable_dir/.abandoned`` that are kept.
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much

@@ -93,11 +93,13 @@ class MemorySaver:
 
     def _admit(self, step: int, nbytes: int, reuse: int) -> None:
         """Raise TierFullError unless a save of ``nbytes`` fits, ``reuse`` bytes of them in
-        the slot it is snapshotted into (on the tier already); where it does not, steps the
-        durable tier holds leave the memory tiers first, as many as it takes, if that is
-        enough."""
+        the slot it is snapshotted into (on the tier already); where it does not, the free
+        slots go first (a spare: none is made from then on), then steps the durable tier
+        holds leave the memory tiers, as many as it takes, if that is enough."""
         need = max(0, nbytes - reuse) + SLACK_BYTES
         free = self.room(reuse)
+        if need > free and self.slots is not None and self.slots.release_free():
+            free = self.room(reuse)  # the free slots (a spare) gave way
         if need > free and self.retention.make_room(need - free):
             free = self.room(reuse)
         if need > free:

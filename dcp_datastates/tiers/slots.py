@@ -15,9 +15,10 @@ takes a pinned free slot if there is one, else an unpinned one (its snapshot is 
 pageable speed).
 Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
 pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
-``limit``; a slot a dropped step gives back is free again. Saves that are committed before
-the next one comes (every N steps) hold ``keep_memory + 2`` slots at most: the kept steps,
-the one being written and the spare.
+``limit``; a slot a dropped step gives back is free again (slots made stay). Saves that are
+committed before the next one comes (every N steps) hold ``keep_memory + 2`` slots at most:
+the kept steps, the one being written and the spare; one more while a step older than the
+kept ones is still being persisted (retention leaves it).
 A save taken while every slot is in use (or while saves wait for one) gets the next one to
 come free (:class:`NextSlot`), in save order: its snapshot waits aside meanwhile, as one
 into a slot not pinned yet does, and its move is queued once the slot is given (where the
@@ -200,6 +201,8 @@ class SlotPool:
         self._readied = threading.Condition(self._lock)  # a slot left _readying
         self._waiting: list[NextSlot] = []  # saves waiting for a slot, in save order
         self._warned = self._failed = self._closed = False
+        self._spares = SPARE  # 0 once the tier had no room for them (release_free)
+        self._releasing = False  # the pool's thread readies none meanwhile
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
@@ -277,7 +280,7 @@ class SlotPool:
         """(Lock held) Make slots until :data:`SPARE` are free or being readied, once
         :meth:`prepare` said how large (``limit`` allowing)."""
         while (self._want is not None and self._count < self.limit
-               and len(self._free) + len(self._readying) < SPARE):
+               and len(self._free) + len(self._readying) < self._spares):
             self._free.append(Slot(self, next(self._names)))
             self._count += 1
 
@@ -305,7 +308,7 @@ class SlotPool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
         when none needs it."""
         with self._lock:
-            slot = None if self._failed or self._closed else next(
+            slot = None if self._failed or self._closed or self._releasing else next(
                 (s for s in self._free if not s.pinned
                  and (s.arena is not None or self._want is not None)), None)
             if slot is None:
@@ -340,10 +343,30 @@ class SlotPool:
         return True
 
     def free_bytes(self) -> int:
-        """Bytes that free slots take on the tier (a save can reuse them)."""
+        """Bytes that free slots take on the tier (a save can reuse them), those the pool's
+        thread is to size (a spare just made) at the size :meth:`prepare` gave."""
         with self._lock:
             free = [*self._free, *self._readying]
-            return sum(s.nbytes for s in free)
+            sized = (None if self._want is None or self._failed or self._closed
+                     else header_room(self._want[1]) + round_up(self._want[0]))
+            return sum(s.nbytes if s.arena is not None or sized is None
+                       else max(s.nbytes, sized) for s in free)
+
+    def release_free(self) -> int:
+        """A save does not fit on the tier: remove the free slots (once the one being readied,
+        if any, is), and make no more spares; return how many were removed."""
+        with self._lock:
+            self._spares, self._releasing = 0, True
+            self._readied.wait_for(lambda: not self._readying)
+            slots, self._free = self._free, []
+            self._releasing = False
+        for slot in slots:
+            self._forget(slot)
+        if slots:
+            log.info("dcp_datastates: the memory tier %s had no room for a save: %d free "
+                     "slot(s) removed; no slot is made ahead of the saves from now on",
+                     self.directory.parent, len(slots))
+        return len(slots)
 
     def settle(self, slot: Slot | NextSlot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
