@@ -124,6 +124,8 @@ def test_slots_are_made_as_saves_need_them(tiers: Tiers, held: HeldPinEngine,
         for step in range(1, 3 * keep_memory + 3):
             manager.save(step, state).result(timeout=30)
             manager.wait()
+            wait_until(lambda: len(list(tiers.memory.glob("step_*")))  # dropped ones gone
+                       == len(steps_in(tiers.memory)), f"retention after step {step}")
             counts.append(len(tier_files(tiers.memory)))
         manager.prepare(state, wait=True)  # to count the pins of the spare made last
         assert held.pinned == len(tier_files(tiers.memory))
@@ -149,8 +151,9 @@ def test_a_persist_that_lags_holds_one_slot_more(tiers: Tiers) -> None:
                 assert hold.held.wait(30), "the persist of step 1 never reached the disk"
                 for step in range(2, 6):
                     manager.save(step, make_state(step)).committed.result(30)
-                    wait_until(lambda s=step: steps_in(tiers.memory) == [1, s],
-                               f"retention after step {step}")
+                    # the dropped step's directory gone too (its .metadata goes first)
+                    wait_until(lambda s=step: sorted(p.name for p in tiers.memory.glob("step_*"))
+                               == sorted(["step_1", f"step_{s}"]), f"retention after step {step}")
                     counts.append(len(tier_files(tiers.memory)))
             finally:  # a failed assertion must not leave close() waiting for held writes
                 hold.gate.set()
