@@ -470,8 +470,8 @@ def _staged_for_distributed_save() -> bool:
     if group is dist.group.WORLD and dist.get_backend(group) == "gloo":
         warnings.warn(
             "dcp.async_save runs its collectives on DCP's upload thread, here on the default "
-            "process group, whose one backend (gloo) the training's collectives use too (DDP "
-            "on the CPU): the two can block each other for good. Make a group for checkpoints "
-            "once, on every rank (dist.new_group(backend=\"gloo\")), and pass it as "
-            "process_group= to dcp.async_save", RuntimeWarning, stacklevel=2)
+            "process group, which has gloo only: where the training's collectives use it too "
+            "(DDP on the CPU), the two can block each other for good. Make a group for "
+            "checkpoints once, on every rank (dist.new_group(backend=\"gloo\")), and pass it "
+            "as process_group= to dcp.async_save", RuntimeWarning, stacklevel=2)
     return True
