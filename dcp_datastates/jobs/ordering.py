@@ -190,6 +190,8 @@ class SaveOrder:
         self._lock = threading.Condition()
         self._tickets = itertools.count(1)
         self._jobs: dict[int, SaveJob] = {}
+        #: the DCP calls running saves, by ticket, until they return (after the job ended)
+        self._calls: dict[int, Caller] = {}
         self._closed = False
         self._watcher = threading.Thread(target=self._watch, name="dcp_datastates-watch",
                                          daemon=True)
@@ -220,16 +222,23 @@ class SaveOrder:
         with self._lock:
             left = [j for j in self._jobs.values() if j is not job
                     and j.tie.caller is not None and j.tie.caller.thread is thread]
+            self._calls = {t: c for t, c in self._calls.items() if c.thread is not thread}
+            if job.tie.caller.code is not None:
+                self._calls[job.ticket] = job.tie.caller
         for other in left:
             self._end_abandoned(other)
 
     def wait_turn(self, job: SaveJob) -> None:
         """Block until no save with an earlier ticket holds the line (abandoned ones are
-        ended)."""
+        ended) and the DCP calls of earlier saves have returned: a rank whose part of a save
+        ended (its data file written) is still in that save's last collectives, and a later
+        save's collectives on the same group would cross them on another rank."""
         while True:
             with self._lock:
+                self._calls = {t: c for t, c in self._calls.items() if not c.gone()}
                 if not any(t < job.ticket and not j.ended and j.tie.holds_line()
-                           for t, j in self._jobs.items()):
+                           for t, j in self._jobs.items()) \
+                        and not any(t < job.ticket for t in self._calls):
                     return
                 self._lock.wait(POLL_S)
             self.reap()
