@@ -12,7 +12,7 @@ Full (generation 2) collections of the cyclic GC during the clean saves are coun
 it runs brings them sooner. Then ``--traced`` more saves with a profile hook on every thread
 break the commit into phases (the hook slows Python code, the planning most: their total is
 shown beside the clean one).
-Goal (issue 17): commit <= 0.15 s for 8 GiB on an H100 host.
+Goal: commit <= 0.15 s for 8 GiB on an H100 host.
 
     python benchmarks/bench_commit.py                # 8 GiB on the GPU (2 GiB on CPU)
     python benchmarks/bench_commit.py --gib 2 --saves 5

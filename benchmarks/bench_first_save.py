@@ -1,4 +1,4 @@
-"""First-save stall (issue 17, point 4): how long the first save of a process holds the
+"""First-save stall: how long the first save of a process holds the
 training thread up, and the 2nd and 3rd saves for comparison.
 
 A fresh process (nothing of dcp_datastates made before the first save), a bf16 state of

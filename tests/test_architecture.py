@@ -1,4 +1,5 @@
-"""docs/ARCHITECTURE.md names every module of the package, and only modules that exist."""
+"""docs/ARCHITECTURE.md names every module of the package, tests/README.md every test file;
+neither names one that does not exist."""
 
 from __future__ import annotations
 
@@ -16,3 +17,11 @@ def test_every_module_has_its_row_and_every_row_its_module() -> None:
                if p.name != "__init__.py" and "__pycache__" not in p.parts}
     assert modules - rows == set(), "modules missing from docs/ARCHITECTURE.md"
     assert rows - modules == set(), "rows of docs/ARCHITECTURE.md naming no module"
+
+
+def test_every_test_file_has_its_row_in_the_tests_readme() -> None:
+    rows = set(re.findall(r"^\| `(test_\w+\.py)` \|", (ROOT / "tests" / "README.md").read_text(),
+                          re.M))
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert files - rows == set(), "test files missing from tests/README.md"
+    assert rows - files == set(), "rows of tests/README.md naming no file"

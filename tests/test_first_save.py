@@ -1,4 +1,4 @@
-"""The first save of a process never waits for the host cache to be made (issue 17, point 4).
+"""The first save of a process never waits for the host cache to be made.
 
 The engine's ``make_arena`` is a :class:`~fakes.SlowArena`: the snapshot cache is made only
 once the test sets its gate. Every wait here is on an event, none on a wall clock.

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import MARKS, Tiers, assert_state_equal, load_into, rand_tensor
 from test_tiers import make_state
-from test_tiers_hostile import FailFsync, save_through
+from test_tiers_lifecycle import FailFsync, save_through
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_datastates import CheckpointManager, DataStatesReader, Engine

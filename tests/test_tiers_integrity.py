@@ -1,4 +1,4 @@
-"""Tier integrity (issue 19): a persist verifies every checksum of what it copies and refuses a
+"""Tier integrity: a persist verifies every checksum of what it copies and refuses a
 damaged step (the manager's and the CLI's), retention never loses the last good durable step,
 ``load()`` falls back past a damaged step; a step saved again replaces it in every tier; one
 manager per tier directory (threads, processes, a SIGKILLed holder); each error raised once, and

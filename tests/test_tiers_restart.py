@@ -1,4 +1,4 @@
-"""Resuming at memory speed (issue 17, point 5): the memory tier's slots are pinned in the
+"""Resuming at memory speed: the memory tier's slots are pinned in the
 background, so a save is taken while pinning is still under way (into an unpinned slot), and a
 manager started after a process was killed adopts the slot files that process left in the tier
 instead of deleting them. Pinning is held through an injected engine (``HeldPinEngine``); no

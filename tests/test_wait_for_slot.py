@@ -1,6 +1,6 @@
 """A memory-tier save whose snapshot would wait aside in pageable memory (no room on the GPU)
 waits for its slot instead, on the engine's staging thread, and copies straight into it: the
-training's guard then waits about one commit, not for a slow copy (issue 17).
+training's guard then waits about one commit, not for a slow copy.
 
 The decision (:func:`~dcp_datastates.aside.fits_on_gpu`) is fed fake sizes; the staging path
 runs on CPU tensors through an engine that finds no GPU room (``fakes.NoGpuRoomEngine``).

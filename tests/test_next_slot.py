@@ -1,4 +1,4 @@
-"""Hostile review of ``NextSlot``: memory-tier saves taken while every slot is in use wait
+"""``NextSlot``: memory-tier saves taken while every slot is in use wait
 aside for the next slot to come free. Writes are held (``HoldWrites``, ``FaultyBackend``
 gated) so that every slot stays in use; the gates are opened from the test, never timed."""
 

@@ -1,8 +1,8 @@
-"""Hostile review of eb39cca (a fence is free once the copier has waited for its copies,
-``publish(None)``, before the save sets it): may training change a source while a copy still
+"""A fence is free once the copier has waited for its copies (``publish(None)``), before
+the save sets it: may training change a source while a copy still
 reads it, or wait for copies that read none?
 
-CPU: the fence's own sequences and locking. GPU (the lead's H100): the copier publishes None
+CPU: the fence's own sequences and locking. GPU: the copier publishes None
 only once the copies are over, never on a failed issue, and a snapshot's move from aside
 issued before the staging thread sets the fence makes no training stream wait.
 """

@@ -1,7 +1,6 @@
-"""Hostile review of issue 17's changes: the host cache's piecewise populate and unmap
-(``host_cache.py``), the persist's private source mapping (``jobs/copy.py``), the flush taking
-a snapshot's copies as the file's data, and checksums taken from a snapshot rather than from
-the bytes the flush writes (branch ``sums19``, reverted: two tests here failed on it)."""
+"""The host cache's piecewise populate and unmap (``host_cache.py``), the persist's private
+source mapping (``jobs/copy.py``), the flush taking a snapshot's copies as the file's data,
+and checksums that must be made of the bytes the flush writes, not taken from a snapshot."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Hostile review of pipe19 (copies issued on the staging thread, waited for on the settle
-thread) and wait19 (a memory-tier save that would go aside to pageable memory waits for its
-slot): leases going back under a copy, staged state delivered early, a fence that is not
-passable once its copies are over, and saves ended or closed while they wait.
+"""Copies issued on the staging thread and waited for on the settle thread, and a
+memory-tier save that would go aside to pageable memory waiting for its slot: leases going
+back under a copy, staged state delivered early, a fence that is not passable once its
+copies are over, and saves ended or closed while they wait.
 
 Faults come through constructors and inputs only: an engine with a held settle thread, an
 engine that finds no GPU room, and a source tensor whose copy waits on a gate.
@@ -48,7 +48,7 @@ def _gated(nbytes: int) -> type[GatedCopy]:
     return rand_tensor((nbytes,), torch.uint8, seed=5).as_subclass(gated)
 
 
-# -- pipe19: leases ---------------------------------------------------------------------------
+# -- leases under a copy ---------------------------------------------------------------------------
 def test_a_lease_stays_out_while_a_cpu_copy_still_fills_it() -> None:
     """Ended (the engine closed without waiting) while the staging thread still copies a CPU
     source into its lease, a save must keep the lease until that copy is over: given back at
@@ -151,7 +151,7 @@ def test_a_failed_wait_fails_the_save_and_leaks_no_lease_or_event() -> None:
         engine.close()
 
 
-# -- wait19 -------------------------------------------------------------------------------------
+# -- a save waiting for its slot -------------------------------------------------------------------
 def test_a_save_waiting_for_its_slot_holds_up_another_managers_saves_and_says_so(
         tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
     """Two managers on one engine share its staging thread: while manager A's save waits

@@ -1,5 +1,5 @@
-"""Hostile checks of the day's changes (issue 17): plan reuse with states whose structure
-changes subtly, and the copy fence when a save fails or ends while a guard waits."""
+"""Plan reuse with states whose structure changes subtly, and the copy fence when a save
+fails or ends while a guard waits."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile review of the GPU checksums (gpu_sums.py, 79cd91b..1b218f1): may a snapshot's
+"""The GPU checksums (``gpu_sums.py``): may a snapshot's
 checksums be lost, or attached to bytes they were not made of?
 
 CPU: the kernel's build and load bookkeeping (fakes for the architecture, the compiler and

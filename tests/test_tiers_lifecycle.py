@@ -1,4 +1,4 @@
-"""Hostile cases for the memory tier's slots and the manager's lifecycle: a step saved again,
+"""The memory tier's slots and the manager's lifecycle: a step saved again,
 a second manager on the same memory tier, a save after close, ``memory_limit`` with a state
 that grows, states whose layout changes between saves, and a save that fails after its slot
 became the step's data file. Real files under /dev/shm and on disk; no private functions
@@ -84,9 +84,9 @@ def test_saving_a_step_again_does_not_leak_its_slot(tiers: Tiers, engine: Engine
 def test_second_manager_on_the_same_memory_tier_leaves_the_first_ones_slots(
         tiers: Tiers, engine: Engine) -> None:
     """A second manager of the same process on the same memory directory (one that only reads
-    the latest step, say) is refused at construction (issue 19: one manager per tier
-    directory), naming the directory and the holder's pid, and touches nothing: it must not
-    delete the first one's slot files, whose saves go on committing."""
+    the latest step, say) is refused at construction (one manager per tier directory),
+    naming the directory and the holder's pid, and touches nothing: it must not delete the
+    first one's slot files, whose saves go on committing."""
     first = CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
                               persist=None, engine=engine)
     try:

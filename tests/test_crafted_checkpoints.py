@@ -1,4 +1,5 @@
-"""Hostile checkpoints: crafted headers and .metadata are refused clearly, never run or escape."""
+"""Crafted checkpoints: headers and .metadata made to attack a reader are refused clearly,
+never run or escape."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A hostile user's attacks on the first save, the memory tier's slots and the errors (the
-defects a review found, one test each). Fakes come in through constructors; no test is timed
-against the wall clock."""
+"""Attacks on the first save, the memory tier's slots and the errors, one test each. Fakes
+come in through constructors; no test is timed against the wall clock."""
 
 from __future__ import annotations
 
