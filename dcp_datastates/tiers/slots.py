@@ -90,12 +90,16 @@ class Slot:
         except OSError:  # closed since it was read
             return 0
 
+    def size_for(self, total: int, entries: int) -> int:
+        """Bytes the slot takes once :meth:`fit` for ``total`` bytes of ``entries`` tensors."""
+        return max(self.room, header_room(entries)) + round_up(total)
+
     def fit(self, total: int, entries: int) -> None:
         """Size the slot for ``total`` bytes of data after the header room for ``entries``
         tensors, mapping it again, unpinned, if its size changes. An adopted file keeps its
         pages where it covers that size; any other file is emptied first (no stale bytes)."""
         room = max(self.room, header_room(entries))
-        size = room + round_up(total)
+        size = self.size_for(total, entries)
         if self.arena is not None and self.arena.nbytes == size and self.room == room:
             return
         adopted = self.arena is None and self.fd >= 0
@@ -347,10 +351,9 @@ class SlotPool:
         thread is to size (a spare just made) at the size :meth:`prepare` gave."""
         with self._lock:
             free = [*self._free, *self._readying]
-            sized = (None if self._want is None or self._failed or self._closed
-                     else header_room(self._want[1]) + round_up(self._want[0]))
-            return sum(s.nbytes if s.arena is not None or sized is None
-                       else max(s.nbytes, sized) for s in free)
+            want = None if self._failed or self._closed else self._want
+            return sum(s.nbytes if s.arena is not None or want is None
+                       else max(s.nbytes, s.size_for(*want)) for s in free)
 
     def release_free(self) -> int:
         """A save does not fit on the tier: remove the free slots (once the one being readied,
