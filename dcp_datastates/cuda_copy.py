@@ -28,7 +28,9 @@ log = logging.getLogger("dcp_datastates")
 #: holds the driver's lock while it runs: one call for 8 GiB stalled a training thread's CUDA
 #: calls 0.33-0.43 s on an H100 host, benchmarks/probe_pin_stall.py).
 PIN_PIECE = 64 << 20
-#: Pause between two pieces, so that a thread waiting for the driver's lock gets it.
+#: Pause between two pieces, at least as long as the piece took, so that the training's CUDA
+#: calls get the driver's lock at least half of the time (a pause of 0.5 ms after each piece
+#: of a few ms let a GPT step of 157 ms take 0.4-1 s while a slot was pinned, on an H100).
 PIN_PAUSE_S = 0.0005
 
 #: One copy: (device, destination address, source address, bytes).
@@ -100,17 +102,20 @@ class CudaCopier:
     @staticmethod
     def pin(addr: int, nbytes: int) -> None:
         """Page-lock host memory for fast asynchronous copies (a cost that grows with the
-        size: seconds for many GiB), one :data:`PIN_PIECE` at a time with a pause between: each
-        ``cudaHostRegister`` holds the driver's lock, so other threads' CUDA calls (the
-        training's) wait for one piece at most. :meth:`copy` splits copies at the pieces'
-        bounds (a copy may not span two registrations)."""
+        size: seconds for many GiB), one :data:`PIN_PIECE` at a time with a pause as long as
+        the piece took: each ``cudaHostRegister`` holds the driver's lock, so other threads'
+        CUDA calls (the training's) wait for one piece at most, and get the lock half of the
+        time. :meth:`copy` splits copies at the pieces' bounds (a copy may not span two
+        registrations)."""
         done = 0
         try:
             for at, n in _pieces(addr, nbytes):
+                start = time.perf_counter()
                 _check(cudart.cudaHostRegister(at, n, cudart.cudaHostRegisterPortable),
                        "cudaHostRegister")
                 done += n
-                time.sleep(PIN_PAUSE_S)  # let waiting threads have the driver's lock
+                # let waiting threads have the driver's lock as long as this piece held it
+                time.sleep(max(PIN_PAUSE_S, time.perf_counter() - start))
         except BaseException:  # a failure or an interrupt: no piece stays registered
             for at, _ in _pieces(addr, done):
                 cudart.cudaHostUnregister(at)

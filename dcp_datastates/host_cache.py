@@ -11,9 +11,11 @@ transfers as it is. A lease goes back to its pool only through :meth:`Lease.rele
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +28,10 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10  # Linux; not in Python's mmap module
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python 3.11's mmap module
 
 
 MAP_PIECE = 16 << 20
@@ -35,6 +39,11 @@ MAP_PIECE = 16 << 20
 process's memory-map lock while it populates or takes down a mapping's pages, so every other
 thread's ``mmap``, thread start or page fault waits for one piece (a few ms), not for
 gigabytes (seconds to populate, ~0.1 s to take down)."""
+
+POPULATE_THREADS = 4
+"""Threads that fault in a new arena's pages, each a piece at a time: the kernel zeroes and
+maps pages at ~2 GiB/s per thread (tmpfs, H100 host); 4 threads made 7.5 GiB in 1.6 s where one
+took 3.8 s (8 no faster). Fewer on a machine with fewer than twice as many cores."""
 
 
 def map_private(fd: int, nbytes: int, what: str) -> int:
@@ -60,13 +69,36 @@ def _map(addr: int | None, nbytes: int, flags: int, fd: int, offset: int, what: 
 
 
 def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
-    """Fault in the pages of a fresh mapping one :data:`MAP_PIECE` at a time, each piece
-    mapped again over itself with ``MAP_POPULATE`` (the same file offset: a slot's pages keep
-    their bytes)."""
-    fixed = flags | _MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
-    for offset in range(0, nbytes, MAP_PIECE):
-        piece = min(MAP_PIECE, nbytes - offset)
-        _map(addr + offset, piece, fixed, fd, offset, what)
+    """Fault in the pages of a fresh mapping (and, for a file, allocate them: a tmpfs file
+    without room fails here, not with SIGBUS at a copy), one :data:`MAP_PIECE` per call, on up
+    to :data:`POPULATE_THREADS` threads. ``madvise(MADV_POPULATE_WRITE)`` keeps the bytes a
+    file holds; where the kernel lacks it, the file is allocated with ``posix_fallocate`` and
+    each piece mapped again over itself with ``MAP_POPULATE``."""
+    pieces = range(0, nbytes, MAP_PIECE)
+    threads = max(1, min(POPULATE_THREADS, (os.cpu_count() or 1) // 2, len(pieces)))
+
+    def advise(offset: int) -> int:
+        got = _libc.madvise(addr + offset, min(MAP_PIECE, nbytes - offset),
+                            _MADV_POPULATE_WRITE)
+        return 0 if got == 0 else ctypes.get_errno()
+
+    if threads == 1:
+        errors = map(advise, pieces)
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="dcp_datastates-populate") as pool:
+            errors = list(pool.map(advise, pieces))
+    err = next((e for e in errors if e), 0)
+    if err == errno.EINVAL:  # a kernel before 5.14
+        if fd >= 0:
+            os.posix_fallocate(fd, 0, nbytes)
+        fixed = flags | _MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
+        for offset in pieces:
+            _map(addr + offset, min(MAP_PIECE, nbytes - offset), fixed, fd, offset, what)
+    elif err:  # EFAULT: a page would raise SIGBUS (a full tmpfs); ENOMEM
+        room = "no room on its file system" if fd >= 0 else "out of memory"
+        raise OSError(errno.ENOSPC if fd >= 0 else err,
+                      f"cannot populate {format_size(nbytes)} of host memory for {what}: "
+                      f"{room} ({os.strerror(err)})")
 
 
 @dataclass(eq=False)

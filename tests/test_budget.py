@@ -375,17 +375,19 @@ class SettingUp:
         pass
 
 
-def _taken_with_a_slow_start(clock: FakeClock, slow: bool, flagged: bool) -> list[SaveHandle]:
+def _taken_with_a_slow_start(clock: FakeClock, slow: bool, flagged: bool, set_up: int = 20,
+                             factor: float = 4) -> list[SaveHandle]:
     """A save asked for at every step of 60, each costing COST_S in its call; while the tier
-    is set up (the first 20 steps, ``slow``) every step takes 4 x STEP_S and the first save's
-    commit waits for its slot. ``flagged``: the pool says it is being set up."""
+    is set up (the first ``set_up`` steps, ``slow``) every step takes ``factor`` x STEP_S and
+    the first save's commit waits for its slot (until step 20). ``flagged``: the pool says it
+    is being set up."""
     budget = Budget(BUDGET, clock, Ranks(0, 1, None), [])
     pool = SettingUp(flagged)
     first: Future = Future()
     taken = []
     for step in range(60):
-        setting_up = slow and step < 20
-        clock.now += STEP_S * (4 if setting_up else 1)
+        setting_up = slow and step < set_up
+        clock.now += STEP_S * (factor if setting_up else 1)
         pool.on = setting_up
         if step == 20 and not first.done():
             first.set_result(None)
@@ -412,3 +414,29 @@ def test_a_slow_start_while_the_tier_is_set_up_does_not_starve_the_budget(
     assert abs(len(start) / len(steady) - 1) <= 0.2, (len(start), len(steady))
     assert unflagged[0].figures.cost_s > COST_S  # charged the set-up's slowdown
     assert len(unflagged) < 0.8 * len(steady), (len(unflagged), len(steady))
+
+
+def test_a_set_up_that_outlasts_the_first_saves_does_not_starve_the_budget(
+        clock: FakeClock) -> None:
+    """Slots are made as saves take them, so the tier may be set up for all of the first 60
+    steps: the intervals no save overlaps still give the loop's pace, and the share of saves
+    taken stays within 20% of a steady loop's (it was the first save alone)."""
+    steady = _taken_with_a_slow_start(FakeClock(), slow=False, flagged=True)
+    start = _taken_with_a_slow_start(clock, slow=True, flagged=True, set_up=60, factor=1.05)
+    assert abs(len(start) / len(steady) - 1) <= 0.2, (len(start), len(steady))
+
+
+def test_skipped_saves_make_no_slots(tiers: Tiers, clock: FakeClock,
+                                     engine: SlowGuardEngine) -> None:
+    """A save the budget skips gives its slot back and leaves no spare behind: the tier holds
+    the kept steps, the one written last and the spare, as without skips (each skip used to
+    make one slot more, up to the limit: seconds of populating and pinning each)."""
+    with CheckpointManager(memory_dir=tiers.memory, engine=engine, max_overhead=BUDGET,
+                           clock=clock, keep_memory=2) as manager:
+        manager.prepare(make_state(0), wait=True)
+        handles = train(manager, clock, engine, range(25), "call")
+        manager.wait()
+        slots = [*tiers.memory.glob(".slots.*/slot_*"), *tiers.memory.glob("step_*/*.safetensors")]
+        taken = [h.step for h in handles if not h.skipped]
+        assert len(taken) >= 4 and len(taken) < 25, taken
+        assert len(slots) <= manager.keep_memory + 2, sorted(map(str, slots))

@@ -197,11 +197,11 @@ def test_the_pool_gives_slots_to_waiting_saves_in_order_and_lets_them_go_at_clos
         first.when_ready(lambda: queued.append("first"))
         assert queued == []
         pool.settle(taken[0], tmp_path / "step_1", committed=False)  # back home: free
-        assert queued == ["first"] and first.slot is taken[0] and second.slot is None
+        assert queued == ["first"] and first.slot is not None and second.slot is None
         assert pool.take() is None, "a free slot goes to the saves waiting, not a new one"
         third = pool.take(later=True)
         pool.settle(taken[1], tmp_path / "step_2", committed=False)
-        assert queued == ["first", "second"] and second.slot is taken[1]
+        assert queued == ["first", "second"] and second.slot not in (None, first.slot)
         third.when_ready(lambda: queued.append("third"))
         assert third.slot is None and queued == ["first", "second"]
     finally:

@@ -24,7 +24,7 @@ from conftest import (
     rand_tensor,
     run_then_kill,
 )
-from fakes import HeldPinEngine
+from fakes import Costly, FakeClock, HeldPinEngine
 from test_tiers import ROOT, TESTS, HoldWrites, make_state, steps_in, wait_until
 
 from dcp_datastates import CheckpointManager, Engine
@@ -134,6 +134,33 @@ def test_slots_are_made_as_saves_need_them(tiers: Tiers, held: HeldPinEngine,
     assert steps_in(tiers.memory)[-1] == 3 * keep_memory + 2
 
 
+@pytest.mark.parametrize("keep_memory", [1, 2])
+def test_saves_the_budget_skips_make_no_slots(tiers: Tiers, held: HeldPinEngine,
+                                             keep_memory: int) -> None:
+    """Under ``max_overhead``, saves skipped (each costs 0.5 s in its call: one in ten fits)
+    leave no slot behind (each once made a spare, readied in turn: seconds of populating and
+    pinning each); the tier holds a slot per save taken and the spare."""
+    held.gate.set()
+    state = make_state(1, big=MiB + 3)
+    clock = FakeClock()
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=keep_memory,
+                           persist=None, engine=held, max_overhead=0.05,
+                           clock=clock) as manager:
+        manager.prepare(state, wait=True)
+        handles = []
+        for step in range(1, 12):
+            clock.now += 1.0
+            manager.order_after_snapshots()  # what the guard calls
+            handles.append(manager.save(step, {"app": Costly(state, clock, 0.5)}))
+        manager.wait()
+        manager.prepare(state, wait=True)  # every slot left free is readied
+        taken = [h.step for h in handles if not h.skipped]
+        made = len(tier_files(tiers.memory))
+    assert 1 <= len(taken) < 11 and handles[1].reason.startswith("budget"), [
+        h.reason for h in handles]
+    assert made <= len(taken) + 1, (made, taken)  # each save taken, and the spare
+
+
 def test_a_persist_that_lags_holds_one_slot_more(tiers: Tiers) -> None:
     """persist="idle" (the default) on a durable tier slower than the saves: the step being
     persisted stays in the memory tier beside the kept ones, so saves that each commit before
@@ -172,28 +199,31 @@ def test_a_persist_that_lags_holds_one_slot_more(tiers: Tiers) -> None:
 
 def test_prepare_and_saves_do_not_wait_for_pinning(tiers: Tiers, held: HeldPinEngine,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """prepare() returns while the pool's thread is held in the first pin; saves are taken
-    meanwhile (into slots not pinned yet: a slower copy, never a lost save) and load exactly;
-    once pinning goes on, every free slot gets pinned, and close() joins the thread."""
+    """prepare() and save() return while the pool's thread is held in the first pin; the
+    snapshots wait aside meanwhile (the guard waits for that copy only: no copy into memory
+    not pinned yet) and reach the tier once pinning goes on, in save order; each step loads
+    exactly, and close() joins the thread."""
     caplog.set_level(logging.WARNING, logger="dcp_datastates")
     states = {s: make_state(s, big=MiB + 3) for s in (1, 2, 3)}
-    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
                            persist=None, engine=held) as manager:
         manager.prepare(states[1])
         assert held.pinning.wait(30), "the pool's thread never started pinning"
-        for step, state in states.items():
-            manager.save(step, state).result(timeout=30)
-            manager.wait()
-        assert not held.gate.is_set() and held.pinned == 0, "every save ran while held"
-        out = blank_like(states[3])
-        assert manager.load(out) == 3
-        assert_state_equal(out, states[3])
+        handles = [manager.save(step, state) for step, state in states.items()]
+        manager.wait_for_snapshots()
+        assert not any(h.committed.done() for h in handles), "committed before any pin"
+        assert held.pinned == 0
         held.gate.set()
-        manager.save(4, states[1]).result(timeout=30)
+        for handle in handles:
+            handle.result(timeout=30)
         manager.wait()
-    assert held.pinned >= 1
-    assert in_use_warnings(caplog) == [], "the saves went into slots"
-    assert steps_in(tiers.memory) == [4]
+        assert held.pinned >= 3
+        for step in (2, 3):
+            out = blank_like(states[step])
+            assert manager.load(out, step=step) == step
+            assert_state_equal(out, states[step])
+    assert in_use_warnings(caplog) == [], "the saves waited for slots being made, not in use"
+    assert steps_in(tiers.memory) == [2, 3]
     assert slot_files(tiers.memory) == {}, "close() removes the free slots"
 
 
@@ -252,8 +282,8 @@ def test_restart_adopts_the_dead_process_slots(tiers: Tiers, held: HeldPinEngine
                                                logs: pytest.LogCaptureFixture) -> None:
     """After kill -9, a new manager takes the free slot files the dead process left (same
     inodes, moved into its own slot directory: no new file), loads the newest committed step
-    exactly, and snapshots its next save into one of them while their pinning is still held;
-    the dead process's slot directory is gone."""
+    exactly, and snapshots its next save into one of them once it is pinned again (the save
+    waits aside meanwhile); the dead process's slot directory is gone."""
     run_and_kill(tiers, big=MiB + 7)
     left = slot_files(tiers.memory)
     assert len(left) >= 2, "the dead process left its free slots"
@@ -269,12 +299,12 @@ def test_restart_adopts_the_dead_process_slots(tiers: Tiers, held: HeldPinEngine
         manager.prepare(expected)
         assert held.pinning.wait(30)
         state = make_state(4, big=MiB + 7)
-        manager.save(4, state).result(timeout=30)
+        handle = manager.save(4, state)  # waits aside for the adopted slot being pinned
+        held.gate.set()
+        handle.result(timeout=30)
         manager.wait()
         (data,) = data_files(tiers.memory / "step_4")
         assert data.stat().st_ino in left.values(), "the save went into an adopted slot"
-        assert held.pinned == 0, "taken while pinning was held"
-        held.gate.set()
     assert any("adopted" in r.getMessage() for r in logs.records)
     assert steps_in(tiers.memory) == [4]
     assert_state_equal(out, expected)

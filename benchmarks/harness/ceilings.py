@@ -119,12 +119,15 @@ def memory_ceiling(directory: Path, src: list[memoryview], dst: list[memoryview]
 
 
 def copy_ceiling(nbytes: int = GiB, reps: int = 5, barrier: Callable[[], None] = _alone) -> dict:
-    """Pinned D2H and H2D bandwidth of one ``nbytes`` copy (median of ``reps``), GiB/s;
-    ``barrier`` is passed before each copy."""
+    """Pinned D2H and H2D, and pageable H2D (from memory nobody pinned, its pages present),
+    bandwidth of one ``nbytes`` copy (median of ``reps``), GiB/s; ``barrier`` is passed before
+    each copy."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.ones(nbytes, dtype=torch.uint8)
     out = {}
-    for name, dst, src in (("d2h_gib_s", host, dev), ("h2d_gib_s", dev, host)):
+    for name, dst, src in (("d2h_gib_s", host, dev), ("h2d_gib_s", dev, host),
+                           ("h2d_pageable_gib_s", dev, pageable)):
         times = []
         for _ in range(reps + 1):  # the first copy warms up
             sync()

@@ -23,10 +23,12 @@ cost the intervals earn with room to spare (capped at one save's cost, a budget 
 save every 2-3 steps on an H100 where each cost under 4% of a step).
 
 While the memory tier is being set up (its slots sized and pinned in the background, after
-``prepare()`` or the first saves), the loop runs slower whether a save is in flight or not:
-those intervals are neither charged to the saves in flight nor taken as the baseline, and each
-earns what a typical interval does (the baseline's, once known), so a one-time start-up cost
-neither starves the account for minutes nor pays for a burst of saves; a save's call and the
+``prepare()`` or as saves take them), the loop may run slower: an interval of the set-up that a
+save in flight overlaps is not charged to it, and earns what a typical interval does (the
+baseline's, once known), so a one-time start-up cost neither starves the account nor pays for a
+burst of saves; one that no save overlaps is a quiet interval like any other (the set-up runs
+on other threads, and a set-up that lasts longer than the first intervals must not leave the
+loop without a baseline: no save but the first would be paid for). A save's call and the
 guard's waits for its snapshot are charged as always.
 
 A save is skipped at once (nothing staged, nothing written) when the account cannot pay for it,
@@ -156,11 +158,12 @@ class Drag:
         """The loop ran from ``start`` to ``end`` (``training_s`` of it outside the guard's
         waits): the slowdown to charge now and the training time it leaves to earn on (an
         interval kept for want of a baseline earns nothing until one exists). An interval
-        ``setting_up`` the tier is charged nothing and earns at most the baseline."""
+        ``setting_up`` the tier while saves are in flight is charged nothing and earns at
+        most the baseline; one with none in flight is a quiet interval as any other."""
         flights = [f for f in self._flying if f.done_at is None or f.done_at > start]
         landed, self._landed = self._landed, [f.handle for f in flights
                                               if f.done_at is not None and f.done_at <= end]
-        if setting_up:  # slowed by the set-up: earns what a typical interval does
+        if setting_up and flights:  # slowed by the set-up too: charged to no save
             if len(self._quiet) >= QUIET_MIN:
                 return 0.0, min(training_s, self.baseline())
             self._setting_up.append(training_s)
@@ -284,7 +287,7 @@ class Budget:
             return COPYING, f"the snapshot of step {self._open.step} is still copying"
         if no_slot:
             return NO_SLOT, ("no memory-tier slot free (earlier saves are still being "
-                             "committed)")
+                             "committed, or the next slot is still being made)")
         if not self.account.affords():
             return OVER_BUDGET, self.account.why_not()
         return 0, ""

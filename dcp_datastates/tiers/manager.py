@@ -194,11 +194,15 @@ class CheckpointManager:
             self._retention.set_aside(self._rollback)
             self._taken = {s for s in self._taken if s <= self._rollback}
             self._rollback = None
-        slot = self._slots.take(later=self._budget is None) if self._slots is not None else None
-        if self._budget is not None:
-            skipped = self._budget.decide(step, self._slots, slot)
+        budget, slots = self._budget, self._slots
+        slot = (slots.take(later=budget is None, spare=budget is None) if slots is not None
+                else None)
+        if budget is not None:
+            skipped = budget.decide(step, slots, slot)
             if skipped is not None:
                 return skipped
+            if slots is not None:
+                slots.make_spares()
         if step in self._taken:
             self._drain()  # nothing reads the old copies while they go
             self._retention.replace(step)
@@ -233,9 +237,10 @@ class CheckpointManager:
             f"the next save then sets the newer steps aside{aside}")
 
     def prepare(self, state: dict, wait: bool = False) -> None:
-        """Have the memory tier's slots sized for states like ``state`` and pinned (seconds for
-        a slot of a few GiB) in the background; saves meanwhile go into slots not pinned
-        yet (a slower copy). ``wait``: return once every slot is pinned (or pinning failed)."""
+        """Have the memory tier's next slot sized for states like ``state`` and pinned
+        (seconds for a slot of a few GiB) in the background, then one more ahead of each save;
+        a save meanwhile waits aside for its slot (the training does not wait). ``wait``:
+        return once the slot is pinned (or pinning failed)."""
         self._check_open("nothing to prepare")
         if self._slots is not None:
             self._slots.prepare(*_snapshot_size(state), wait=wait)

@@ -9,20 +9,22 @@ no second copy. When retention drops the step, its ``.metadata`` goes first and 
 back to the slot directory, free for a later save. A slot whose file is gone (a failed save
 removed it) is unmapped and forgotten.
 
-Pinning (seconds for a slot of a few GiB) never delays a save: a slot is mapped unpinned, and
-the pool's pinning thread (:mod:`.slot_pinning`) pins free slots in the background; a save
-takes a pinned free slot if there is one, else an unpinned one (its snapshot is copied at
-pageable speed).
+Making a slot (populating its pages and pinning them: 2-3 s for 7.5 GiB on an H100 host)
+never delays a save's call or the training: the pool's thread (:mod:`.slot_pinning`) sizes
+and pins free slots in the background, one at a time, the one the next save needs first.
 Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
 pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
 ``limit``; a slot a dropped step gives back is free again (slots made stay). Saves that are
 committed before the next one comes (every N steps) hold ``keep_memory + 2`` slots at most:
 the kept steps, the one being written and the spare; one more while a step older than the
 kept ones is still being persisted (retention leaves it).
-A save taken while every slot is in use (or while saves wait for one) gets the next one to
-come free (:class:`NextSlot`), in save order: its snapshot waits aside meanwhile, as one
-into a slot not pinned yet does, and its move is queued once the slot is given (where the
-GPU has no room to keep it aside, the save's staging thread waits for the slot instead).
+A save taken while no free slot is ready (every slot in use, the next one still being sized
+and pinned, or saves waiting for one) gets the next one to come free (:class:`NextSlot`), in
+save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
+queued once the slot is given (where the GPU has no room to keep it aside, the save's staging
+thread waits for the slot instead). No copy goes into a slot not pinned yet: a copy into
+pageable memory holds the CUDA driver, and stalled the training's steps for up to a second on
+an H100 (so do two slots made at once); once pinning has failed, saves take unpinned slots.
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
 manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
@@ -107,8 +109,11 @@ class Slot:
         if self.fd < 0:
             self.fd = os.open(self.home, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         covers = adopted and round_up(os.fstat(self.fd).st_size) >= size
-        os.ftruncate(self.fd, size if covers else 0)
-        os.posix_fallocate(self.fd, 0, size)  # ENOSPC now, not SIGBUS at a copy into a hole
+        if not covers:
+            os.ftruncate(self.fd, 0)
+        os.ftruncate(self.fd, size)
+        # mapping populates the pages: a tier without room fails here (ENOSPC), not with
+        # SIGBUS at a copy into a hole
         self.arena = self.pool.engine.map_file(self.fd, size, str(self), pin=False)
         self.room = room
 
@@ -219,19 +224,22 @@ class SlotPool:
                 self._want is not None and not self._failed and not self._closed
                 and any(not s.pinned for s in self._free))
 
-    def take(self, later: bool = False) -> Slot | NextSlot | None:
+    def take(self, later: bool = False, spare: bool = True) -> Slot | NextSlot | None:
         """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
         exist), unless saves wait for one. Else None, or with ``later`` the next one to come
         free after theirs (logged once: the save's snapshot waits aside, on the GPU where it
-        has room)."""
+        has room). A spare is made in its place, unless ``spare`` is False (a save that may
+        yet be skipped: :meth:`make_spares` once it is taken)."""
         with self._lock:
-            slot = None if self._waiting else self._take()
+            slot = None if self._waiting else self._take(spare)
             if slot is None and later:
                 waiting = NextSlot(self)
                 self._waiting.append(waiting)
-                warn, self._warned = not self._warned, True
+                in_use = self._count >= self.limit and not self._free and not self._readying
+                warn = in_use and not self._warned
+                self._warned = self._warned or in_use
+        self._thread.wake()  # to ready the spare it made, or the slot on its way
         if slot is not None:
-            self._thread.wake()  # to ready the spare it made
             return slot
         if not later:
             return None
@@ -266,19 +274,39 @@ class SlotPool:
         for waiting in due:
             waiting.queue()
 
-    def _take(self) -> Slot | None:
-        """(Lock held) A free slot, pinned ones first, else a new one (``limit`` allowing);
-        then a spare is made in its place (readied once the caller wakes the thread)."""
-        if self._free:
+    def _take(self, spare: bool = True) -> Slot | None:
+        """(Lock held) A free slot that is ready (pinned). Where none is, None, and a slot
+        is on its way: one being readied, a free one to ready, or a new one (``limit``
+        allowing) that the pool's thread sizes and pins, one at a time (two at once, or a
+        save's copy into memory not pinned yet, stall the training's CUDA calls for up to a
+        second). Before :meth:`prepare` gave a size, or once pinning failed: any free slot,
+        else a new one (sized by the save). Then (``spare``) a spare is made in its place
+        (readied once the caller wakes the thread)."""
+        if self._want is not None and not self._failed:
+            slot = next((s for s in reversed(self._free) if s.pinned), None)
+            if slot is None:
+                if not self._free and not self._readying and self._count < self.limit:
+                    self._free.append(Slot(self, next(self._names)))
+                    self._count += 1
+                return None
+        elif self._free:
             slot = max(reversed(self._free), key=lambda s: (s.pinned, s.fd >= 0))
-            self._free.remove(slot)
         elif self._count < self.limit:
             slot = Slot(self, next(self._names))
             self._count += 1
+            self._free.append(slot)
         else:
             return None
-        self._add_spares()
+        self._free.remove(slot)
+        if spare:
+            self._add_spares()
         return slot
+
+    def make_spares(self) -> None:
+        """A save taken with ``take(spare=False)`` goes ahead: make the spare(s) it left out."""
+        with self._lock:
+            self._add_spares()
+        self._thread.wake()
 
     def _add_spares(self) -> None:
         """(Lock held) Make slots until :data:`SPARE` are free or being readied, once
@@ -389,6 +417,9 @@ class SlotPool:
                     replaced = self._held.pop(directory)
         if replaced is not None:
             self._forget(replaced)
+        if slot.fd < 0:  # never made (a skipped save's): nothing to keep, no slot to ready
+            self._forget(slot)
+            return
         with self._lock:
             free = slot.path == slot.home
             if free:

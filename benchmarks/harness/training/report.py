@@ -295,6 +295,14 @@ def restart_tables(res: dict) -> list[Table]:
                "step (the bit-for-bit check against a host copy of the saved state is left "
                "out of the clock)"]
     mem, dur = rs.get("replica", {}), rs.get("durable", {})
+    h2d = res.get("copy", {}).get("h2d_pageable_gib_s")
+    if mem.get("load_s") and h2d:
+        rate = res["ckpt_bytes"] / res["world"] / GiB / mem["load_s"]
+        t.notes.append(f"memory load: {rate:.1f} GiB/s per rank against pageable H2D "
+                       f"{h2d:.1f} GiB/s (measured in this run): {rate / h2d:.0%} (goal >= "
+                       f"90%: {'met' if rate >= 0.9 * h2d else 'MISSED'}); to first step over "
+                       f"the load: {mem['to_first_step_s'] / mem['load_s']:.2f} (goal <= 2: "
+                       f"{'met' if mem['to_first_step_s'] <= 2 * mem['load_s'] else 'MISSED'})")
     if mem.get("to_first_step_s") and dur.get("to_first_step_s"):
         x = dur["to_first_step_s"] / mem["to_first_step_s"]
         t.notes.append(f"durable / memory, time to first step: {x:.1f}x (goal >= 5x: "

@@ -121,6 +121,8 @@ def resume_in_child(memory: Path, durable: Path) -> dict:
     """A new process resumes from the memory tier (as a job restarted after a crash: a new
     manager, ``load``, ``prepare``, a training step, a save): its marks in seconds from its
     start, and the goal's ratio: manager + load + prepare + first step over the load."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the child trains the same model on the same GPU
     t0 = time.time()
     out = subprocess.run([sys.executable, str(Path(sys.argv[0]).resolve()), *sys.argv[1:],
                           "--resume-child", str(memory), str(durable)],
