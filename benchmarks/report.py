@@ -35,8 +35,9 @@ DEFAULT_TABLES = 1
 TABLES = {
     "bench_engine_cpu": ("fresh writer per save", "30000 tiny tensors"),
     "bench_training_2xh100": ("training steps", "DCP's idiom", "restart after"),
-    "bench_training_h100": ("GPT", "snapshots during training", "checkpoint tiers"),
-    "bench_training_h100_8g": ("GPT", "snapshots during training"),
+    "bench_training_h100": ("GPT", "checkpoint tiers"),
+    "bench_training_h100_8g": ("training steps",),
+    "bench_training_h100_8g_idiom": ("training steps", "restart after"),
 }
 
 
