@@ -28,9 +28,9 @@ log = logging.getLogger("dcp_datastates")
 #: holds the driver's lock while it runs: one call for 8 GiB stalled a training thread's CUDA
 #: calls 0.33-0.43 s on an H100 host, benchmarks/probe_pin_stall.py).
 PIN_PIECE = 64 << 20
-#: Pause between two pieces, at least as long as the piece took, so that the training's CUDA
-#: calls get the driver's lock at least half of the time (a pause of 0.5 ms after each piece
-#: of a few ms let a GPT step of 157 ms take 0.4-1 s while a slot was pinned, on an H100).
+#: Shortest pause between two pieces; each pause lasts at least as long as the piece took, so
+#: that the training's CUDA calls get the driver's lock at least half of the time (a short
+#: fixed pause let the steps slow down several times while a slot was pinned: RESULTS.md).
 PIN_PAUSE_S = 0.0005
 
 #: One copy: (device, destination address, source address, bytes).

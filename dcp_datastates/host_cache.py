@@ -41,9 +41,9 @@ thread's ``mmap``, thread start or page fault waits for one piece (a few ms), no
 gigabytes (seconds to populate, ~0.1 s to take down)."""
 
 POPULATE_THREADS = 4
-"""Threads that fault in a new arena's pages, each a piece at a time: the kernel zeroes and
-maps pages at ~2 GiB/s per thread (tmpfs, H100 host); 4 threads made 7.5 GiB in 1.6 s where one
-took 3.8 s (8 no faster). Fewer on a machine with fewer than twice as many cores."""
+"""Threads that fault in a new arena's pages, each a piece at a time: one thread is bound by
+the kernel's zeroing and mapping of each page, and more than 4 gained nothing on an H100 host
+(RESULTS.md). Fewer on a machine with fewer than twice as many cores."""
 
 
 def map_private(fd: int, nbytes: int, what: str) -> int:

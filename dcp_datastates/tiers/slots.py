@@ -9,9 +9,9 @@ no second copy. When retention drops the step, its ``.metadata`` goes first and 
 back to the slot directory, free for a later save. A slot whose file is gone (a failed save
 removed it) is unmapped and forgotten.
 
-Making a slot (populating its pages and pinning them: 2-3 s for 7.5 GiB on an H100 host)
-never delays a save's call or the training: the pool's thread (:mod:`.slot_pinning`) sizes
-and pins free slots in the background, one at a time, the one the next save needs first.
+Making a slot (populating its pages and pinning them: seconds for a few GiB) never delays a
+save's call or the training: the pool's thread (:mod:`.slot_pinning`) sizes and pins free
+slots in the background, one at a time, the one the next save needs first.
 Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
 pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
 ``limit``; a slot a dropped step gives back is free again (slots made stay). Saves that are
