@@ -19,12 +19,20 @@ SHIM := dcp_datastates/_lib/libdcp_uring.so
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 600 mpirun --oversubscribe
 MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py tests/test_tiers_mpi.py \
              tests/test_budget_mpi.py
+# torchtitan 0.2.x (pure Python, pinned, with the one package its checkpointer and trainer import
+# that .venv lacks): installed beside torchtitan 0.3.0, put first on PYTHONPATH by a second run
+# of the torchtitan tests
+TITAN02 := $(VENV)/torchtitan-0.2.2
+TITAN02_PACKAGES := torchtitan==0.2.2 torchdata==0.11.0
+TITAN_TESTS := tests/test_torchtitan_integration.py tests/test_torchtitan_trainer.py
+WITH_TITAN02 := PYTHONPATH=$(abspath $(TITAN02))
 
 .PHONY: setup mpi native demo test test-mpi test-package lint bench clean distclean FORCE
 
 ## setup: system packages, then in .venv PyTorch (CPU wheel, pinned, first so that pip never
-## picks a CUDA build) and the package (editable, which builds the shim) with its test tools;
-## done again only when pyproject.toml, this Makefile or the package's directories change
+## picks a CUDA build) and the package (editable, which builds the shim) with its test tools,
+## torchtitan 0.3.0, and torchtitan 0.2.2 in $(TITAN02); done again only when pyproject.toml,
+## this Makefile or the package's directories change
 ## (Open MPI, which only the multi-rank tests need, is the target mpi)
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
@@ -35,6 +43,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test,bench]" tyro
 	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
+	$(PY) -m pip install -q --no-deps --upgrade --target $(TITAN02) $(TITAN02_PACKAGES)
 	touch $@
 
 ## mpi: Open MPI (mpirun, and the library mpi4py's wheel loads), for test-mpi only
@@ -62,13 +71,17 @@ $(SHIM): native/dcp_uring.c native/dcp_uring.h native/dcp_hash.c CMakeLists.txt 
 demo: native
 	$(PY) examples/train_demo.py
 
-## test: the whole suite (single-process tests, then multi-rank tests under mpirun -n 2 and -n 4)
+## test: the whole suite (single-process tests, the torchtitan tests again with torchtitan 0.2.2,
+## then multi-rank tests under mpirun -n 2 and -n 4)
 test: native lint
 	timeout 1800 $(PY) -m pytest -q tests  # a hang fails the run rather than holding CI
+	$(WITH_TITAN02) timeout 900 $(PY) -m pytest -q -p no:cacheprovider $(TITAN_TESTS)
 	$(MAKE) --no-print-directory test-mpi
 
 test-mpi: native mpi
 	$(MPIRUN) -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
+	$(WITH_TITAN02) $(MPIRUN) -x PYTHONPATH -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider \
+		--with-mpi tests/test_torchtitan_integration.py
 	$(MPIRUN) -n 4 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
 
 ## test-package: build the sdist and wheel, install them (and `pip install .`) into fresh venvs

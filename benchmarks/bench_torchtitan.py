@@ -1,22 +1,26 @@
-"""torchtitan's own trainer (llama3, synthetic data, FSDP2 on one rank): checkpointing overhead.
+"""torchtitan's own trainer (llama3, synthetic data): checkpointing overhead, and resume checks.
 
-Each run is ``examples/torchtitan_train.py`` in a subprocess, same seed and data: ``none`` (no
-checkpoints), then ``stock`` (torchtitan's CheckpointManager, ``async_with_pinned_mem``),
-``enable`` (``enable_datastates(trainer.checkpointer)``) and ``tiers``
-(``DataStatesCheckpointManager.Config(memory_tier=True)``), each with a checkpoint every
-``--interval`` steps (``--steps`` steps) and every step (``--every-step-steps`` steps). A step's
-time runs from one step's loss line to the next (its compute and the previous step's save);
-the first step (warm-up, compilation) is left out, and so is the last step's save (synchronous,
-model and optimizer, in every mode). The resume check of ``examples/torchtitan_resume.py`` on
-``--resume-mode`` (SIGKILL mid-run, restart, losses compared with the interval run of that
-mode, step for step) runs before the every-step runs. No run starts past ``--budget-s``.
-Every run's folder is removed once its figures are in; the JSON is
-written after every run, so a run cut short keeps what it had.
+Each run is ``examples/torchtitan_train.py`` in a subprocess (``--nproc`` > 1: under torchrun),
+same seed and data: ``none`` (no checkpoints), then ``stock`` (torchtitan's CheckpointManager,
+``async_with_pinned_mem``), ``enable`` (``enable_datastates(trainer.checkpointer)``) and
+``tiers`` (``DataStatesCheckpointManager`` with ``memory_tier=True``), each with a checkpoint
+every ``--interval`` steps (``--steps`` steps) and every step (``--every-step-steps`` steps;
+the memory tier then with ``max_overhead=--every-step-budget``, its overhead budget, which
+skips the saves it cannot pay for). A step's time runs from one step's loss line to the next
+(its compute and the previous step's save); the first step (warm-up, compilation) is left out,
+and so is the last step's save (synchronous, model and optimizer, in every mode). The resume
+check of ``examples/torchtitan_resume.py`` for each of ``--resume-modes`` (SIGKILL mid-run,
+restart with the same command line, losses compared step for step with the interval run of
+that mode; ``--drop-rank-tier R``: rank R's memory tier is removed before the memory tier's
+restart) runs before the every-step runs. No run starts past ``--budget-s``. Every run's folder
+is removed once its figures are in; the JSON is written after every run, so a run cut short
+keeps what it had. Works with torchtitan 0.2.x and 0.3.x (whichever is installed).
 
-    python benchmarks/bench_torchtitan.py --flavor 1B --steps 30 --every-step-steps 5 \\
+    python benchmarks/bench_torchtitan.py --flavor debugmodel --steps 30 --every-step-steps 10 \\
         --dir /tmp/bench_titan
-    python benchmarks/bench_torchtitan.py --flavor debugmodel --steps 12 --interval 4 \\
-        --every-step-steps 4 --dir /tmp/bench_titan      # a quick pass
+    python benchmarks/bench_torchtitan.py --nproc 2 --replicate --drop-rank-tier 1 \\
+        --dir /tmp/bench_titan -- --parallelism.data_parallel_shard_degree 2
+    python benchmarks/bench_torchtitan.py --cpu-smoke --dir /tmp/bench_titan   # code paths only
 """
 
 from __future__ import annotations
@@ -32,46 +36,87 @@ from harness.run import Run, log, parser
 from harness.tables import Table
 
 sys.path.insert(0, str(REPO / "examples"))
-from torchtitan_resume import Outcome, Spec, resume_check, run  # noqa: E402
+from torchtitan_resume import Outcome, Spec, resume_check, run, stop_on_sigterm  # noqa: E402
 
 CHECKPOINTING = ("stock", "enable", "tiers")
 SHM = Path("/dev/shm")
+#: What ``--cpu-smoke`` runs: torchtitan 0.2.x's llama3 debug model on the CPU, few steps.
+SMOKE = {"flavor": "debugmodel", "attention": "sdpa", "steps": 6, "interval": 2,
+         "every_step_steps": 3, "titan": ["--cpu", "--training.seq_len", "128"]}
 
 
 def arguments() -> object:
-    ap = parser(__doc__)
+    ap = parser(__doc__, smoke="torchtitan 0.2.x's debug model on the CPU (gloo), few steps")
     ap.add_argument("--flavor", default="1B", help="llama3 flavour (debugmodel, 1B, 3B, ...)")
-    ap.add_argument("--attention", default="flex", choices=("flex", "varlen"))
+    ap.add_argument("--attention", default="flex", choices=("flex", "sdpa", "varlen"))
     ap.add_argument("--steps", type=int, default=30, help="steps of the none and interval runs")
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--every-step-steps", type=int, default=5,
                     help="steps of the every-step runs (0: none of them)")
-    ap.add_argument("--resume-mode", default="tiers", choices=(*CHECKPOINTING, "skip"))
+    ap.add_argument("--every-step-budget", type=float, default=0.05,
+                    help="max_overhead of the memory tier's every-step run (0: none)")
+    ap.add_argument("--resume-modes", default="tiers",
+                    help="comma-separated modes to check the resume of (stock, enable, tiers; "
+                    "'' for none)")
+    ap.add_argument("--kill-after", type=int, default=None,
+                    help="resume checks: kill once past this step (default: 2.5 intervals)")
+    ap.add_argument("--nproc", type=int, default=1, help="ranks of every run (torchrun)")
+    ap.add_argument("--replicate", action="store_true",
+                    help="the memory tier's runs: --checkpoint.memory_replicate (each rank's "
+                    "checkpoints also in the next rank's tier)")
+    ap.add_argument("--drop-rank-tier", type=int, default=None,
+                    help="the memory tier's resume check: remove this rank's memory tier "
+                    "before the restart")
     ap.add_argument("--dir", type=Path, required=True, help="where the runs write (emptied)")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="start no run after this many seconds (the rest is reported skipped)")
     ap.add_argument("titan", nargs="*", help="after --: torchtitan arguments for every run")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value + args.titan if key == "titan" else value)
+    args.resume_modes = [m for m in args.resume_modes.split(",") if m]
+    unknown = set(args.resume_modes) - set(CHECKPOINTING)
+    if unknown:
+        ap.error(f"--resume-modes: unknown modes {sorted(unknown)}")
+    return args
+
+
+def extra(args: object, mode: str) -> list[str]:
+    """torchtitan's arguments for the runs of ``mode``."""
+    tiers = ["--checkpoint.memory_replicate"] if mode == "tiers" and args.replicate else []
+    return [*args.titan, *tiers]
 
 
 def plan(args: object) -> list[tuple[str, Spec]]:
     """(name, spec) of every timed run, in order."""
-    base = {"flavor": args.flavor, "attention": args.attention, "extra": args.titan}
-    runs = [("none", Spec("none", steps=args.steps, interval=args.interval, **base))]
-    runs += [(f"{m}/{args.interval}", Spec(m, steps=args.steps, interval=args.interval, **base))
+    base = {"flavor": args.flavor, "attention": args.attention, "nproc": args.nproc}
+    runs = [("none", Spec("none", steps=args.steps, interval=args.interval, extra=args.titan,
+                          **base))]
+    runs += [(f"{m}/{args.interval}", Spec(m, steps=args.steps, interval=args.interval,
+                                           extra=extra(args, m), **base))
              for m in CHECKPOINTING]
     if args.every_step_steps:
-        runs += [(f"{m}/1", Spec(m, steps=args.every_step_steps, interval=1, **base))
-                 for m in CHECKPOINTING]
+        for m in CHECKPOINTING:
+            extra_args, name = extra(args, m), f"{m}/1"
+            if m == "tiers" and args.every_step_budget:
+                extra_args += ["--checkpoint.max_overhead", str(args.every_step_budget)]
+                name += f" max_overhead={args.every_step_budget:g}"
+            runs.append((name, Spec(m, steps=args.every_step_steps, interval=1,
+                                    extra=extra_args, **base)))
     return runs
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
 def timed(name: str, spec: Spec, root: Path) -> tuple[dict, Outcome]:
     """One run; its figures (the trainer's summary, or the log's tail where it failed)."""
-    folder, memory = root / name.replace("/", "_"), SHM / f"bench_titan_{name.replace('/', '_')}"
+    folder, memory = root / _slug(name), SHM / f"bench_titan_{_slug(name)}"
     started = time.perf_counter()
     try:
-        out = run(spec.command(folder, memory), root / f"{name.replace('/', '_')}.log")
+        out = run(spec.command(folder, memory), root / f"{_slug(name)}.log")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(memory, ignore_errors=True)
@@ -82,41 +127,60 @@ def timed(name: str, spec: Spec, root: Path) -> tuple[dict, Outcome]:
         row["error"] = out.tail[-15:]
         log(f"!! {name} failed (exit {out.rc}):\n   " + "\n   ".join(out.tail[-15:]))
     else:
-        row.update({k: out.summary[k] for k in ("mean_step_s", "median_step_s", "max_step_s",
-                                                "steps_timed", "checkpoints_persisted")})
+        row.update({k: out.summary.get(k) for k in (
+            "mean_step_s", "median_step_s", "max_step_s", "steps_timed", "checkpoints_taken",
+            "checkpoints_skipped", "checkpoints_persisted")})
         log(f"{name}: median step {row['median_step_s']:.4f} s, mean {row['mean_step_s']:.4f} s,"
-            f" max {row['max_step_s']:.4f} s; persisted {row['checkpoints_persisted']}")
+            f" max {row['max_step_s']:.4f} s; taken {row['checkpoints_taken']}, persisted "
+            f"{row['checkpoints_persisted']}")
     return row, out
 
 
 def tables(res: dict) -> list[Table]:
     rows = res.get("runs", [])
     base = next((r for r in rows if r["mode"] == "none" and "median_step_s" in r), {})
-    t = Table(f"torchtitan llama3 {res['args']['flavor']}: step time vs no checkpoint",
+    args = res["args"]
+    t = Table(f"torchtitan llama3 {args['flavor']} ({args['nproc']} rank(s)): step time vs no "
+              f"checkpoint",
               [("run", ""), ("steps", "d"), ("mean s", ".4f"), ("median s", ".4f"),
                ("max s", ".4f"), ("mean vs none", "+.1f%"), ("median vs none", "+.1f%"),
-               ("persisted", "d"), ("first step s", ".1f")],
+               ("max / median", ".2f"), ("taken", "d"), ("persisted", "d"),
+               ("first step s", ".1f")],
               ["stock: torchtitan CheckpointManager, async_with_pinned_mem; enable: "
                "enable_datastates(trainer.checkpointer); tiers: DataStatesCheckpointManager "
-               "memory_tier=True", "name/N: a checkpoint every N steps; persisted: checkpoints "
-               "committed to the checkpoint folder (the last step's included)"])
+               "memory_tier=True", "name/N: a checkpoint every N steps; taken: checkpoints "
+               "taken (the last step's included; the overhead budget skips some); persisted: "
+               "committed to the checkpoint folder"])
     for r in rows:
-        t.add(r["name"], r["steps"], r.get("mean_step_s"), r.get("median_step_s"),
-              r.get("max_step_s"), _pct(r.get("mean_step_s"), base.get("mean_step_s")),
-              _pct(r.get("median_step_s"), base.get("median_step_s")),
+        median = r.get("median_step_s")
+        t.add(r["name"], r["steps"], r.get("mean_step_s"), median, r.get("max_step_s"),
+              _pct(r.get("mean_step_s"), base.get("mean_step_s")),
+              _pct(median, base.get("median_step_s")),
+              r["max_step_s"] / median if median and r.get("max_step_s") else None,
+              len(r["checkpoints_taken"]) if r.get("checkpoints_taken") is not None else None,
               len(r["checkpoints_persisted"]) if "checkpoints_persisted" in r else None,
               r.get("first_step_s"))
     out = [t]
-    if res.get("resume"):
-        v = res["resume"]
-        rt = Table(f"Resume after SIGKILL ({res['args']['resume_mode']})",
-                   [("losses equal", ""), ("killed after", "d"), ("newest committed", "d"),
-                    ("restarted at", "d"), ("restored from", ""), ("steps compared", "d"),
-                    ("first step after restart s", ".1f")], v.get("problems", []))
-        rt.add("yes" if v.get("ok") else "NO", v.get("killed_after_step"),
-               v.get("newest_committed"), v.get("resumed_at_step"),
-               str(v.get("restored_from") or "torchtitan's folder"), v.get("steps_compared"),
-               v.get("restart_first_step_s"))
+    checks = res.get("resume") or {}
+    if checks:
+        rt = Table("Resume after SIGKILL, restarted with the same command line",
+                   [("mode", ""), ("losses equal", ""), ("killed after", "d"),
+                    ("newest committed", "d"), ("restarted at", "d"), ("restored from", ""),
+                    ("steps compared", "d"), ("first step after restart s", ".1f")],
+                   [f"{mode}: {p}" for mode, v in checks.items() if v
+                    for p in v.get("problems", [])])
+        for mode, v in checks.items():
+            if not v:
+                rt.add(mode, "ERROR", None, None, None, "", None, None)
+                continue
+            source = str(v.get("restored_from") or "torchtitan's folder")
+            if v.get("from_replicas"):
+                source += f"; {len(v['from_replicas'])} rank(s) from a replica"
+            if v.get("dropped_rank_tier") is not None:
+                source += f" (rank {v['dropped_rank_tier']}'s memory tier removed)"
+            rt.add(mode, "yes" if v.get("ok") else "NO", v.get("killed_after_step"),
+                   v.get("newest_committed"), v.get("resumed_at_step"), source,
+                   v.get("steps_compared"), v.get("restart_first_step_s"))
         out.append(rt)
     return out
 
@@ -136,16 +200,18 @@ def plot(res: dict, png: Path) -> None:
 
 def main() -> None:
     args = arguments()
+    stop_on_sigterm()
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     bench = Run("bench_torchtitan", args, [args.dir, SHM])
     bench.header()
-    bench.res.update(runs=[], skipped=[], resume=None)
+    bench.res.update(runs=[], skipped=[], resume={})
     outcomes: dict[str, Outcome] = {}
     runs = plan(args)
     for name, spec in runs[:1 + len(CHECKPOINTING)]:  # none and the interval runs
         outcomes[name] = timed_within_budget(bench, args, name, spec)
-    resume(bench, args, outcomes.get(f"{args.resume_mode}/{args.interval}"))
+    for mode in args.resume_modes:
+        resume(bench, args, mode, outcomes.get(f"{mode}/{args.interval}"))
     for name, spec in runs[1 + len(CHECKPOINTING):]:  # the every-step runs
         timed_within_budget(bench, args, name, spec)
     if bench.res["skipped"]:
@@ -171,16 +237,25 @@ def timed_within_budget(bench: Run, args: object, name: str, spec: Spec) -> Outc
     return out
 
 
-def resume(bench: Run, args: object, reference: Outcome | None) -> None:
-    """The resume check (the interval run of its mode, if it succeeded, is its reference)."""
-    if args.resume_mode == "skip" or over_budget(bench, args, "resume"):
+def resume(bench: Run, args: object, mode: str, reference: Outcome | None) -> None:
+    """The resume check of ``mode`` (its interval run, if it succeeded, is the reference)."""
+    if over_budget(bench, args, f"resume {mode}"):
         return
-    spec = Spec(args.resume_mode, args.flavor, args.attention, args.steps, args.interval,
-                args.titan)
+    spec = Spec(mode, args.flavor, args.attention, args.steps, args.interval, extra(args, mode),
+                args.nproc)
     ok = reference is not None and reference.rc == 0
-    bench.res["resume"] = bench.guard("resume", resume_check, spec, args.dir / "resume",
-                                      reference if ok else None)
+    drop = args.drop_rank_tier if mode == "tiers" else None
+    result = bench.guard(f"resume {mode}", resume_check, spec, args.dir / f"resume_{mode}",
+                         reference if ok else None, kill_after=args.kill_after,
+                         drop_rank_tier=drop)
+    bench.res["resume"][mode] = result
+    if result is not None:
+        log(f"resume {mode}: {'ok' if result['ok'] else 'FAILED'}: restarted at step "
+            f"{result['resumed_at_step']} (newest committed {result['newest_committed']}, "
+            f"from {result['restored_from'] or 'the folder'}), {result['steps_compared']} "
+            f"losses compared; {'; '.join(result['problems']) or 'no problems'}")
     bench.write()
+
 
 if __name__ == "__main__":
     main()

@@ -18,21 +18,17 @@ The data are synthetic (no tokenizer or data set to download): each row is an ar
 sequence of token ids modulo the vocabulary, so the loss falls, and batch ``i`` of data rank
 ``r`` depends only on ``(seed, r, i)``: the dataloader's state is the number of batches taken.
 The trainer prints one line per step, ``step N loss L time_s T`` (``L`` in full precision),
-and at the end one JSON line ``{"summary": ...}``.
+and at the end one JSON line ``{"summary": ...}``. This is torchtitan 0.3's registry;
+``torchtitan_config_02.py`` makes the same runs with torchtitan 0.2.x.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -46,14 +42,16 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.llama3 import model_registry
 from torchtitan.trainer import Trainer
-from torchtitan_train import committed_steps
+from torchtitan_train import (
+    ATTENTION_ENV,
+    FLAVOR_ENV,
+    SEED,
+    RunSummary,
+    StepClock,
+    SyntheticBatches,
+)
 
 from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager, enable_datastates
-
-#: Environment variables read when the config is made (torchtitan's CLI can override the rest).
-FLAVOR_ENV, ATTENTION_ENV = "TITAN_FLAVOR", "TITAN_ATTENTION"
-#: The seed of every run (weights and data).
-SEED = 1234
 
 
 class SyntheticTokenizer(BaseTokenizer):
@@ -77,7 +75,7 @@ class SyntheticTokenizer(BaseTokenizer):
         return self.vocab_size
 
 
-class SyntheticDataLoader(BaseDataLoader):
+class SyntheticDataLoader(SyntheticBatches, BaseDataLoader):
     """Deterministic batches of arithmetic token sequences; its state is the batch count."""
 
     @dataclass(kw_only=True, slots=True)
@@ -88,70 +86,20 @@ class SyntheticDataLoader(BaseDataLoader):
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int,
                  tokenizer: BaseTokenizer, seq_len: int, local_batch_size: int,
                  **_: Any) -> None:
-        self.config, self.rank = config, dp_rank
-        self.shape = (local_batch_size, seq_len)
+        self.config, self.seed, self.rank = config, config.seed, dp_rank
+        self.shape, self.vocab = (local_batch_size, seq_len), config.vocab_size
         self.taken = 0
 
-    def batch(self, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Batch ``index`` of this data rank."""
-        rows, length = self.shape
-        vocab = self.config.vocab_size
-        gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rank * 7919 + index)
-        start = torch.randint(0, vocab, (rows, 1), generator=gen)
-        stride = torch.randint(1, 8, (rows, 1), generator=gen)
-        tokens = (start + stride * torch.arange(length + 1)) % vocab
-        positions = torch.arange(length).expand(rows, length).contiguous()
-        return {"input": tokens[:, :-1], "positions": positions}, tokens[:, 1:]
 
-    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        while True:
-            self.taken += 1
-            yield self.batch(self.taken - 1)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"taken": self.taken}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.taken = state_dict.get("taken", 0)
-
-
-class StepPrinter(MetricsProcessor):
-    """torchtitan's metrics, plus one line per step (loss in full precision, time since the
-    previous step's line: that step's compute and the previous step's checkpoint save) and a
-    JSON summary at the end."""
+class StepPrinter(StepClock, MetricsProcessor):
+    """torchtitan's metrics, plus one line per step and the summary's figures."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
         pass
 
-    def __init__(self, config: Config, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.step_times: list[float] = []
-        self.last: float | None = None
-        self.first_step: int | None = None
 
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float,
-            grad_norm: float, extra_metrics: dict[str, Any] | None = None) -> None:
-        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
-        now = time.perf_counter()
-        elapsed = now - self.last if self.last is not None else float("nan")
-        if self.last is not None:
-            self.step_times.append(elapsed)
-        else:
-            self.first_step = step
-        self.last = now
-        if _rank() == 0:
-            print(f"step {step} loss {global_avg_loss!r} time_s {elapsed:.6f}", flush=True)
-
-    def summary(self) -> dict[str, Any]:
-        """Step-time figures (the first step, with its warm-up, is left out)."""
-        times = self.step_times or [float("nan")]
-        return {"first_step": self.first_step, "steps_timed": len(self.step_times),
-                "mean_step_s": statistics.fmean(times), "median_step_s": statistics.median(times),
-                "max_step_s": max(times), "step_times_s": self.step_times}
-
-
-class DataStatesTrainer(Trainer):
+class DataStatesTrainer(RunSummary, Trainer):
     """torchtitan's Trainer; ``enable_datastates`` on its checkpointer where the config asks,
     and a summary line once it has closed (checkpoints in the folder counted then)."""
 
@@ -166,31 +114,8 @@ class DataStatesTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.datastates = enable_datastates(self.checkpointer) if config.enable_datastates else None
-        self.folder = Path(config.dump_folder) / config.checkpoint.folder
-        self.persisted: set[int] = set()
-        self.started = time.perf_counter()
-
-    def train_step(self, data_iterator: Iterator[Any]) -> None:
-        super().train_step(data_iterator)
-        # keep_latest_k purges old steps: note the committed ones as they come
-        self.persisted.update(committed_steps(self.folder))
-
-    def close(self) -> None:
-        super().close()
-        metrics = self.metrics_processor
-        if _rank() != 0 or not isinstance(metrics, StepPrinter):
-            return
-        self.persisted.update(committed_steps(self.folder))
-        summary = {"mode": self.config.checkpoint_mode,
-                   "interval": self.config.checkpoint.interval if self.config.checkpoint.enable
-                   else None, "steps": self.step,
-                   "checkpoints_persisted": sorted(self.persisted),
-                   "wall_s": time.perf_counter() - self.started, **metrics.summary()}
-        print(json.dumps({"summary": summary}), flush=True)
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+        self.summarize(config.checkpoint_mode, Path(config.dump_folder) / config.checkpoint.folder,
+                       config.checkpoint.interval if config.checkpoint.enable else None)
 
 
 def _base(mode: str, checkpoint: CheckpointManager.Config, *,

@@ -29,9 +29,12 @@ Either way each save takes a fresh ``DataStatesWriter()`` and each load a
 
 This script runs way 2 with torchtitan's own ``CheckpointManager``, ``OptimizersContainer`` and
 ``LRSchedulersContainer`` on a toy model (FSDP2 over all ranks), so it needs torchtitan but no
-data set or tokenizer::
+data set or tokenizer; either release (what differs goes through the adapter's
+``TORCHTITAN``; packages torchtitan imports that are missing get the stand-ins of
+``torchtitan_train.py``)::
 
     pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && pip install tyro
+    #  or: pip install --no-deps torchtitan==0.2.2 torchdata==0.11.0 && pip install tyro
     python examples/torchtitan_example.py                                  # one process
     torchrun --standalone --nproc-per-node 2 examples/torchtitan_example.py
 
@@ -43,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,11 +57,18 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
-from dcp_datastates.integrations.torchtitan import DataStates, enable_datastates
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torchtitan_train import stand_ins_for_missing_packages  # noqa: E402
+
+stand_ins_for_missing_packages()
+from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+
+from dcp_datastates.integrations.torchtitan import (  # noqa: E402
+    TORCHTITAN,
+    DataStates,
+    enable_datastates,
+)
 
 STEPS, INTERVAL = 8, 4
 
@@ -74,33 +86,30 @@ class TrainState:
         self.step = state_dict["step"]
 
 
-def build(seed: int, device: torch.device) -> tuple[nn.Module, OptimizersContainer,
-                                                      LRSchedulersContainer]:
+def build(seed: int, device: torch.device) -> tuple[nn.Module, object, object]:
+    """The model (FSDP2 over every rank) and torchtitan's optimizer and LR scheduler
+    containers (made as the installed release makes them)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh)
-    optimizers = OptimizersContainer(
-        OptimizersContainer.Config(
-            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
-                                           optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1})],
-            implementation="foreach",
-        ),
-        model_parts=[model],
-    )
-    return model, optimizers, LRSchedulersContainer(optimizers, lambda s: min(1.0, (s + 1) / 4))
+    optimizers, schedulers = TORCHTITAN.containers(
+        [model], lambda s: min(1.0, (s + 1) / 4), implementation="foreach", lr=1e-3,
+        weight_decay=0.1)
+    return model, optimizers, schedulers
 
 
-def make_manager(folder: str, model: nn.Module, optimizers: OptimizersContainer,
-                 schedulers: LRSchedulersContainer,
+def make_manager(folder: str, model: nn.Module, optimizers: object, schedulers: object,
                  train_state: TrainState) -> tuple[CheckpointManager, DataStates]:
-    config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=INTERVAL,
-                                      async_mode="async", keep_latest_k=2,
-                                      initial_load_model_only=False)
-    manager = config.build(dataloader=None, model_parts=[model], optimizers=optimizers,
-                           lr_schedulers=schedulers, states={"train_state": train_state},
-                           sd_adapter=None, base_folder=folder)
+    """torchtitan's own manager (0.3: ``CheckpointManager.Config(...).build(...)``; 0.2.x:
+    ``CheckpointManager(..., checkpoint_config=...)``), routed through dcp_datastates."""
+    config = TORCHTITAN.config(enable=True, folder="checkpoint", interval=INTERVAL,
+                               async_mode="async", keep_latest_k=2, initial_load_model_only=False)
+    manager = TORCHTITAN.build(CheckpointManager, config, dataloader=None, model_parts=[model],
+                               optimizers=optimizers, lr_schedulers=schedulers,
+                               states={"train_state": train_state}, sd_adapter=None,
+                               base_folder=folder)
     return manager, enable_datastates(manager)
 
 

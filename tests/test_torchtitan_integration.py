@@ -1,13 +1,19 @@
-"""torchtitan's real CheckpointManager routed through dcp_datastates (torchtitan 0.3.x, on CPU).
+"""torchtitan's real CheckpointManager routed through dcp_datastates (torchtitan 0.3.x and 0.2.x,
+on CPU).
 
-Needs torchtitan importable; it installs without its dependencies (which would bring a CUDA
-torch) plus the two its checkpoint and optimizer modules import::
+Needs torchtitan importable, either release; it installs without its dependencies (which would
+bring a CUDA torch) plus those its checkpoint and optimizer modules import::
 
     pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && pip install tyro
+    pip install --no-deps --target DIR torchtitan==0.2.2 torchdata==0.11.0   # PYTHONPATH=DIR
 
-Without it this module is skipped. The single-process tests run a world of one gloo rank
-(torchtitan's manager asks torch.distributed for its rank and makes a gloo group for async
-saves); ``test_fsdp2_async_manager_multi_rank`` runs under mpirun with the other MPI tests.
+(``make test`` runs this module once with each.) Packages torchtitan imports but these tests
+never use (0.2.x: tokenizers, tensorboard, triton; datasets) get the stand-ins of
+``examples/torchtitan_train.py`` where they are missing. Without torchtitan this module is
+skipped. What differs between the releases goes through the adapter's ``TORCHTITAN``. The
+single-process tests run a world of one gloo rank (torchtitan's manager asks torch.distributed
+for its rank and makes a gloo group for async saves); ``test_fsdp2_async_manager_multi_rank``
+runs under mpirun with the other MPI tests.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -31,17 +38,18 @@ from mpi_util import World, agree
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from torchtitan_train import stand_ins_for_missing_packages  # noqa: E402
+
+stand_ins_for_missing_packages()
 pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is not installed")
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan.components.optimizer import (  # noqa: E402
-    LRSchedulersContainer,
-    OptimizersContainer,
-)
-from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
 
 from dcp_datastates import Engine, default_engine  # noqa: E402
 from dcp_datastates.integrations.torchtitan import (  # noqa: E402
+    TORCHTITAN,
     DataStates,
     DataStatesCheckpointManager,
     enable_datastates,
@@ -95,6 +103,11 @@ class Counter(Stateful):
         self.step = state_dict["step"]
 
 
+def build(cls: type, folder: Path, config: object, **kwargs: object) -> CheckpointManager:
+    """A manager of ``cls`` over ``folder`` (the trainer's other arguments: ``kwargs``)."""
+    return TORCHTITAN.build(cls, config, sd_adapter=None, base_folder=str(folder), **kwargs)
+
+
 class Run:
     """A tiny model with torchtitan's own optimizer and LR scheduler containers."""
 
@@ -107,27 +120,19 @@ class Run:
             fully_shard(self.model[0], mesh=mesh)
             fully_shard(self.model[2], mesh=mesh)
             fully_shard(self.model, mesh=mesh)
-        self.optimizers = OptimizersContainer(
-            OptimizersContainer.Config(
-                param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
-                                               optimizer_kwargs={"lr": 1e-2,
-                                                                 "weight_decay": 0.1})],
-                implementation="for-loop",
-            ),
-            model_parts=[self.model],
-        )
-        self.lr_schedulers = LRSchedulersContainer(self.optimizers, lambda s: 1.0 / (1 + s))
+        self.optimizers, self.lr_schedulers = TORCHTITAN.containers(
+            [self.model], lambda s: 1.0 / (1 + s), lr=1e-2, weight_decay=0.1)
         self.train_state = Counter()
         self.dataloader = Counter()
 
     def manager(self, folder: Path, mode: str, cls: type = CheckpointManager,
-                build: dict | None = None, **config: object) -> CheckpointManager:
-        cfg = cls.Config(**{"enable": True, "folder": "ckpt", "interval": 2, "async_mode": mode,
-                            "keep_latest_k": 0, "last_save_model_only": False, **config})
-        return cfg.build(dataloader=self.dataloader, model_parts=[self.model],
-                         optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
-                         states={"train_state": self.train_state}, sd_adapter=None,
-                         base_folder=str(folder), **(build or {}))
+                build_args: dict | None = None, **config: object) -> CheckpointManager:
+        cfg = TORCHTITAN.config_class(cls)(**{
+            "enable": True, "folder": "ckpt", "interval": 2, "async_mode": mode,
+            "keep_latest_k": 0, "last_save_model_only": False, **config})
+        return build(cls, folder, cfg, dataloader=self.dataloader, model_parts=[self.model],
+                     optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
+                     states={"train_state": self.train_state}, **(build_args or {}))
 
     def step(self, step: int, manager: CheckpointManager | None = None) -> None:
         """One step as torchtitan's trainer orders it."""
@@ -318,12 +323,12 @@ def test_config_subclass_with_an_engine_and_pinned_mode(one_rank: None, tmp_path
     maybe_wait_for_staging() waits on the staging future the manager got back."""
     run = Run(seed=0)
     manager = run.manager(tmp_path, "async_with_pinned_mem", cls=DataStatesCheckpointManager,
-                          build={"engine": engine})
+                          build_args={"engine": engine})
     ds = manager.datastates
     assert ds.engine is engine and not ds.owns_engine
     with pytest.raises(ValueError, match="not both"):
-        run.manager(tmp_path, "async", cls=DataStatesCheckpointManager, build={"engine": engine},
-                    io_backend="threads")
+        run.manager(tmp_path, "async", cls=DataStatesCheckpointManager,
+                    build_args={"engine": engine}, io_backend="threads")
     for step in (1, 2):
         run.step(step, manager)
         release = hold_snapshot(engine)
@@ -334,13 +339,15 @@ def test_config_subclass_with_an_engine_and_pinned_mode(one_rank: None, tmp_path
     assert not manager.staging_future.done()
     release.set()
     manager.maybe_wait_for_staging()
-    assert manager.staging_future is None and ds.staging.done()
+    assert ds.staging.done()
+    # 0.3 drops the future once waited for; 0.2.x keeps it (done)
+    assert manager.staging_future is None or manager.staging_future.done()
     expected = run.snapshot()
     manager.close()
     assert not engine.closed
     again = Run(seed=1)
     other = again.manager(tmp_path, "async_with_pinned_mem", cls=DataStatesCheckpointManager,
-                          build={"engine": engine})
+                          build_args={"engine": engine})
     assert other.load(step=2)
     assert differences(again.snapshot(), expected, "pinned mode") == []
     other.close()
@@ -349,12 +356,44 @@ def test_config_subclass_with_an_engine_and_pinned_mode(one_rank: None, tmp_path
 @pytest.mark.mpi_skip
 def test_disabled_manager_is_left_alone(one_rank: None, tmp_path: Path) -> None:
     run = Run(seed=0)
-    cfg = CheckpointManager.Config(enable=False)
-    manager = cfg.build(dataloader=None, model_parts=[run.model], optimizers=run.optimizers,
-                        lr_schedulers=run.lr_schedulers, states={}, sd_adapter=None,
-                        base_folder=str(tmp_path))
+    cfg = TORCHTITAN.config_class(CheckpointManager)(enable=False)
+    manager = build(CheckpointManager, tmp_path, cfg, dataloader=None, model_parts=[run.model],
+                    optimizers=run.optimizers, lr_schedulers=run.lr_schedulers, states={})
     assert enable_datastates(manager) is None
     assert not hasattr(manager, "datastates")
+
+
+@pytest.mark.mpi_skip
+def test_one_seam_knows_the_release(one_rank: None, tmp_path: Path) -> None:
+    """TORCHTITAN says which release is installed and how it differs; the subclass overrides
+    the hooks that release calls; a config without the adapter's fields (a 0.2.x JobConfig
+    section, torchtitan's own config class) builds a manager with their defaults."""
+    import torchtitan
+
+    release = tuple(int(x) for x in torchtitan.__version__.split(".")[:2])
+    assert TORCHTITAN.version == torchtitan.__version__
+    assert TORCHTITAN.legacy == (release < (0, 3))
+    assert TORCHTITAN.manager is CheckpointManager
+    hooks = ("save", "load") if TORCHTITAN.legacy else ("_save", "_load")
+    assert (TORCHTITAN.save_hook, TORCHTITAN.load_hook) == hooks
+    for name in hooks:
+        assert name in vars(DataStatesCheckpointManager), name
+    assert issubclass(DataStatesCheckpointManager.Config, TORCHTITAN.config)
+    assert (TORCHTITAN.config_class(DataStatesCheckpointManager)
+            is DataStatesCheckpointManager.Config)
+    assert TORCHTITAN.config_class(CheckpointManager) is TORCHTITAN.config
+
+    run = Run(seed=0)
+    plain = TORCHTITAN.config(enable=True, folder="plain", async_mode="async")
+    other = build(DataStatesCheckpointManager, tmp_path, plain, dataloader=run.dataloader,
+                  model_parts=[run.model], optimizers=run.optimizers,
+                  lr_schedulers=run.lr_schedulers, states={"train_state": run.train_state})
+    ds = other.datastates
+    assert ds.tiers is None and not ds.owns_engine and ds.verify_checksums and ds.overlap
+    run.step(1, other)
+    other.save(1, last_step=True)
+    other.close()
+    assert is_datastates_checkpoint(tmp_path / "plain" / "step-1")
 
 
 # -- memory tier ---------------------------------------------------------------------------------
@@ -369,7 +408,7 @@ def shm() -> Iterator[Path]:
 def tiered(run: Run, folder: Path, shm: Path, engine: Engine, mode: str = "async",
            **config: object) -> DataStatesCheckpointManager:
     """A DataStatesCheckpointManager with a memory tier under ``shm``."""
-    return run.manager(folder, mode, cls=DataStatesCheckpointManager, build={"engine": engine},
+    return run.manager(folder, mode, cls=DataStatesCheckpointManager, build_args={"engine": engine},
                        memory_tier=True, memory_dir=str(shm), **config)
 
 
@@ -423,7 +462,7 @@ def test_memory_tier_persists_and_restart_loads_from_memory(one_rank: None, tmp_
     # the persisted checkpoints, through torchtitan's own load (the latest, and by step)
     plain = Run(seed=2)
     stock = plain.manager(tmp_path, "disabled", cls=DataStatesCheckpointManager,
-                          build={"engine": engine})
+                          build_args={"engine": engine})
     assert stock.load()
     assert differences(plain.snapshot(), saved[10], "persisted step 10") == []
     assert stock.load(step=4)
@@ -472,8 +511,9 @@ def test_memory_tier_full_skips_the_save_and_training_goes_on(one_rank: None, tm
     manager = tiered(run, tmp_path, shm, engine, memory_limit="1MiB")
     for step in range(1, 6):
         run.step(step, manager)
-        assert manager.save(step) == (step % 2 == 0)
-        manager.maybe_wait_for_saving()  # no error: the save was skipped
+        saved = manager.save(step)
+        assert saved == (step % 2 == 0) or TORCHTITAN.legacy  # 0.2.x's save returns None
+        TORCHTITAN.wait_for_saving(manager)  # no error: the save was skipped
     run.step(6, manager)  # training goes on
     manager.close()  # no error either
     assert step_dirs(tmp_path) == []
@@ -497,6 +537,47 @@ def test_memory_tier_config_is_checked(one_rank: None, tmp_path: Path, shm: Path
     with pytest.raises(ValueError, match="holds step directories named step_<N>"):
         tiered(run, tmp_path, shm, engine)
     assert not engine.closed
+
+
+@pytest.mark.mpi_skip
+def test_memory_tier_under_an_overhead_budget(one_rank: None, tmp_path: Path, shm: Path,
+                                              engine: Engine) -> None:
+    """``max_overhead``: a save every step, the tier's budget takes what it can pay for and
+    skips the rest (training goes on, the skipped steps have no checkpoint); torchtitan's own
+    wait for the snapshot gets a done future (the guard, which the budget counts, orders the
+    optimizer step); a restart loads the newest step taken. Without the memory tier the option
+    is refused."""
+    with pytest.raises(ValueError, match="max_overhead needs checkpoint.memory_tier"):
+        Run(seed=0).manager(tmp_path, "async", cls=DataStatesCheckpointManager,
+                            build_args={"engine": engine}, max_overhead=0.05)
+    run = Run(seed=0)
+    manager = tiered(run, tmp_path, shm, engine, "async_with_pinned_mem", interval=1,
+                     max_overhead=0.05)
+    ds = manager.datastates
+    assert ds.budgeted and ds.tiers is not None
+    saved = {}
+    for step in range(1, 13):
+        run.step(step, manager)
+        release = hold_snapshot(engine, 0.05)
+        manager.save(step)
+        assert manager.staging_future is None or manager.staging_future.done()
+        release.set()
+        saved[step] = run.snapshot()
+    ds.tiers.wait()
+    history = list(ds.tiers.history)
+    taken = [f.step for f in history if not f.skipped]
+    skipped = [f.step for f in history if f.skipped]
+    assert taken and taken[0] == 1, history
+    assert skipped, "a save every step of a held snapshot: the budget skips some"
+    assert sorted(taken + skipped) == list(range(1, 13))
+    manager.close()
+    ds.tiers = None
+    again = Run(seed=1)
+    other = tiered(again, tmp_path, shm, engine, "async_with_pinned_mem", interval=1)
+    assert other.load()
+    newest = max(taken)
+    assert differences(again.snapshot(), saved[newest], f"step {newest}") == []
+    other.close()
 
 
 # -- several ranks (mpirun) ----------------------------------------------------------------------

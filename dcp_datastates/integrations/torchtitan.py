@@ -1,10 +1,13 @@
 """torchtitan: its ``CheckpointManager`` saving and loading through dcp_datastates.
 
-torchtitan (0.3.x, ``torchtitan/components/checkpointer/dcp.py``) sends every DCP call of its
-``CheckpointManager`` through two public methods, ``dcp_save`` and ``dcp_load``. This module
-provides them; nothing private of torchtitan is replaced. Two ways to use it:
+torchtitan (0.2.x and 0.3.x) sends every DCP call of its ``CheckpointManager`` through two
+public methods, ``dcp_save`` and ``dcp_load``. This module provides them; nothing private of
+torchtitan is replaced. What differs between the two releases (how a manager and its config are
+made, which methods a subclass overrides) is in one place, :data:`TORCHTITAN`. Two ways to use
+it:
 
-* in a torchtitan Python config, in place of ``CheckpointManager.Config``::
+* in a torchtitan 0.3 Python config, in place of ``CheckpointManager.Config`` (with 0.2.x, the
+  same fields in the JobConfig's ``checkpoint`` section; see :class:`DataStatesCheckpointManager`)::
 
       from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager
       checkpoint=DataStatesCheckpointManager.Config(
@@ -55,10 +58,10 @@ fastest tier (memory after a crash or a torchrun restart on the same nodes, else
 so a restart takes the step in memory even when its persist had not happened; a step in memory
 that was never persisted is persisted by the next run (or by ``python -m dcp_datastates
 persist``). For this the subclass overrides torchtitan's ``_save`` and ``_load`` hooks (the
-ones its ``BaseCheckpointManager`` names for subclasses), calling torchtitan's own for what it
-does not handle (seed checkpoints, checkpoints stock torchtitan wrote, HF). A save the memory
-tier has no room for is logged and skipped; training goes on. ``enable_datastates`` has no
-memory tier.
+ones 0.3's ``BaseCheckpointManager`` names for subclasses; ``save`` and ``load`` in 0.2.x),
+calling torchtitan's own for what it does not handle (seed checkpoints, checkpoints stock
+torchtitan wrote, HF). A save the memory tier has no room for is logged and skipped; training
+goes on. ``enable_datastates`` has no memory tier.
 
 Limits: checkpoint folders must be on a POSIX file system (local or shared), not an fsspec URL.
 State that forward or backward change in place (e.g. BatchNorm running statistics) would be
@@ -68,6 +71,7 @@ waits for the snapshot inside ``save()``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -76,10 +80,11 @@ import threading
 import types
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
@@ -102,8 +107,8 @@ MODEL, OPTIMIZER = "model", "optimizer"
 #: How torchtitan names a step's checkpoint folder (``_create_checkpoint_id``).
 TORCHTITAN_STEP = re.compile(r"^step-(\d+)$")
 
-__all__ = ["DataStates", "DataStatesCheckpointManager", "enable_datastates",
-           "is_datastates_checkpoint"]
+__all__ = ["TORCHTITAN", "DataStates", "DataStatesCheckpointManager", "TorchtitanAPI",
+           "enable_datastates", "is_datastates_checkpoint"]
 
 
 def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
@@ -134,6 +139,7 @@ class DataStates:
     verify_checksums: bool = True
     overlap: bool = True
     tiers: TierManager | None = None
+    budgeted: bool = False  # the memory tier has an overhead budget (max_overhead)
     staging: Future | None = None
     upload: Future | None = None
     last_writer: DataStatesWriter | None = None
@@ -157,9 +163,10 @@ class DataStates:
         return self.last_writer.last_stats() if self.last_writer is not None else None
 
     def guard(self, optimizers: Any) -> None:
-        """Make ``optimizers.step()`` wait for the snapshots staged so far (once)."""
+        """Make ``optimizers.step()`` wait for the snapshots staged so far (once); with the
+        memory tier, through its manager (which counts the waits under ``max_overhead``)."""
         if self._hook is None and optimizers is not None:
-            self._hook = guard(optimizers, self.engine)
+            self._hook = guard(optimizers, self.tiers if self.tiers is not None else self.engine)
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error), take the optimizer hook off, and
@@ -247,7 +254,17 @@ def _tier_save(ds: DataStates, state_dict: dict[str, Any], checkpoint_id: str,
         return None
     if not ds.overlap:
         ds.staging.result()
-    return ds.upload if mode == "async" else AsyncSaveResponse(ds.staging, ds.upload)
+    if mode == "async":
+        return ds.upload
+    # under an overhead budget torchtitan's own wait for the snapshot (before the optimizer
+    # step) would go uncounted: it gets a done future, and the guard, which counts, waits
+    return AsyncSaveResponse(_done() if ds.budgeted else ds.staging, ds.upload)
+
+
+def _done() -> Future:
+    done: Future = Future()
+    done.set_result(None)
+    return done
 
 
 def _past_full(future: Future) -> Future:
@@ -279,15 +296,20 @@ def _datastates_load(manager: Any, stock_load: Callable[..., Any], state_dict: d
     return None
 
 
-def _attach(manager: Any, ds: DataStates) -> DataStates:
-    """Give an enabled manager ``ds``: the optimizer hook, and the ``stager`` slot torchtitan
-    closes in ``close()`` (it makes a DCP DefaultStager there for the pinned mode otherwise;
-    the writer stages itself)."""
-    if "://" in str(manager.folder):
+def _attach(manager: Any, ds: DataStates,
+            memory_tier: Callable[[], TierManager] | None = None) -> DataStates:
+    """Give an enabled manager ``ds`` (and its memory tier, made by ``memory_tier``): the
+    optimizer hook, and the ``stager`` slot torchtitan closes in ``close()`` (it makes a DCP
+    DefaultStager there for the pinned mode otherwise; the writer stages itself)."""
+    try:
+        if "://" in str(manager.folder):
+            raise ValueError(f"dcp_datastates writes to POSIX paths; checkpoint folder "
+                             f"{manager.folder!r} is a URL")
+        if memory_tier is not None:
+            ds.tiers = memory_tier()
+    except BaseException:
         ds.close()
-        raise ValueError(
-            f"dcp_datastates writes to POSIX paths; checkpoint folder {manager.folder!r} is a URL"
-        )
+        raise
     manager.datastates = ds
     ds.guard(manager.states.get(OPTIMIZER))
     manager.stager = ds
@@ -340,23 +362,143 @@ def enable_datastates(
     return ds
 
 
-try:
-    from torchtitan.components.checkpoint import CheckpointManager as _CheckpointManager
-except ImportError:  # torchtitan is not installed: enable_datastates still works
-    _CheckpointManager = None
+# -- torchtitan's releases: every difference the adapter meets, in one place ------------------
+@dataclass(frozen=True)
+class TorchtitanAPI:
+    """The torchtitan installed, and what differs between the releases this module supports.
 
-if _CheckpointManager is not None:
+    * 0.3.x: Python configs. ``CheckpointManager.Config(...).build(dataloader=..., ...)`` makes
+      a manager (``CheckpointManager(config, *, dataloader=..., ...)``); a subclass overrides
+      the ``_save`` and ``_load`` hooks of ``BaseCheckpointManager``; the wait for the save in
+      flight is ``maybe_wait_for_saving()``.
+    * 0.2.x (``legacy``): one ``JobConfig`` parsed from a TOML file and the command line; its
+      ``checkpoint`` section (``torchtitan.config.Checkpoint``) goes to
+      ``CheckpointManager(..., checkpoint_config=...)``, which the trainer calls itself; a
+      subclass overrides ``save`` and ``load``; the wait is ``_async_wait()``.
 
-    class DataStatesCheckpointManager(_CheckpointManager):
+    ``dcp_save``, ``dcp_load``, the async modes, the step folders and the manager's attributes
+    the adapter reads are the same in both.
+    """
+
+    version: str | None = None
+    """torchtitan's version; None where it cannot be imported (see ``error``)."""
+
+    manager: type | None = None
+    """torchtitan's ``CheckpointManager``."""
+
+    config: type | None = None
+    """Its config class: ``CheckpointManager.Config`` (0.3.x), ``torchtitan.config.Checkpoint``
+    (0.2.x)."""
+
+    legacy: bool = False
+    """torchtitan 0.2.x."""
+
+    error: str | None = None
+    """Why torchtitan could not be imported."""
+
+    @property
+    def save_hook(self) -> str:
+        """The method a manager subclass overrides to change ``save``."""
+        return "save" if self.legacy else "_save"
+
+    @property
+    def load_hook(self) -> str:
+        """The method a manager subclass overrides to change ``load``."""
+        return "load" if self.legacy else "_load"
+
+    def config_class(self, manager_cls: type) -> type:
+        """The config class of ``manager_cls`` (torchtitan's manager or a subclass)."""
+        return getattr(manager_cls, "Config", None) or self.config
+
+    @property
+    def config_arg(self) -> str:
+        """The name of the manager constructor's config argument."""
+        return "checkpoint_config" if self.legacy else "config"
+
+    def build(self, manager_cls: type, config: Any, **kwargs: Any) -> Any:
+        """A manager of ``manager_cls`` from ``config`` and what torchtitan's trainer passes
+        (``dataloader=``, ``model_parts=``, ``optimizers=``, ``lr_schedulers=``, ``states=``,
+        ``sd_adapter=``, ``base_folder=``; ``engine=`` for :class:`DataStatesCheckpointManager`),
+        as 0.3's ``config.build(...)`` and 0.2.x's trainer make one."""
+        return manager_cls(**{self.config_arg: config}, **kwargs)
+
+    def config_of(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The config among the arguments of a manager's constructor."""
+        if self.config_arg in kwargs:
+            return kwargs[self.config_arg]
+        bound = inspect.signature(self.manager.__init__).bind_partial(None, *args, **kwargs)
+        return bound.arguments[self.config_arg]
+
+    def containers(self, model_parts: list[Any], lr_lambda: Callable[[int], float],
+                   implementation: str = "for-loop", **adamw: Any) -> tuple[Any, Any]:
+        """torchtitan's own ``OptimizersContainer`` (AdamW with ``adamw``) over ``model_parts``
+        and its ``LRSchedulersContainer`` (``lr_lambda``), made as each release makes them: what
+        a manager saves besides the model, for code that drives one without a trainer."""
+        if self.legacy:
+            from torchtitan.components.lr_scheduler import LRSchedulersContainer
+            from torchtitan.components.optimizer import OptimizersContainer
+
+            flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
+                     "fused": {"fused": True}}[implementation]
+            optimizers = OptimizersContainer(model_parts, torch.optim.AdamW, {**adamw, **flags})
+        else:
+            from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+            from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+            optimizers = OptimizersContainer(
+                OptimizersContainer.Config(
+                    param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                                   optimizer_kwargs=adamw)],
+                    implementation=implementation),
+                model_parts=model_parts)
+        return optimizers, LRSchedulersContainer(optimizers, lr_lambda)
+
+    def wait_for_saving(self, manager: Any) -> None:
+        """Wait for the manager's save in flight as torchtitan does before the next save."""
+        if not getattr(manager, "enable", False):
+            return
+        if self.legacy:
+            manager._async_wait()
+        else:
+            manager.maybe_wait_for_saving()
+
+
+def _torchtitan() -> TorchtitanAPI:
+    try:
+        import torchtitan
+        from torchtitan.components.checkpoint import CheckpointManager
+    except ImportError as exc:  # not installed (or a dependency missing): enable_datastates works
+        return TorchtitanAPI(error=f"{type(exc).__name__}: {exc}")
+    version = str(getattr(torchtitan, "__version__", "unknown"))
+    if hasattr(CheckpointManager, "Config"):
+        return TorchtitanAPI(version, CheckpointManager, CheckpointManager.Config)
+    from torchtitan.config import Checkpoint
+
+    return TorchtitanAPI(version, CheckpointManager, Checkpoint, legacy=True)
+
+
+#: The torchtitan this process imports (:class:`TorchtitanAPI`).
+TORCHTITAN = _torchtitan()
+
+if TORCHTITAN.manager is not None:
+
+    class DataStatesCheckpointManager(TORCHTITAN.manager):
         """torchtitan's ``CheckpointManager`` saving and loading through dcp_datastates.
 
         ``engine=`` (an argument of ``build``) gives it an engine made elsewhere; otherwise it
         uses the process's engine, or one of its own where the config sets any of
         ``host_cache_size``, ``io_backend``, ``io_workers`` (closed with the manager).
+
+        torchtitan 0.2.x makes its manager in ``Trainer.__init__``, as
+        ``torchtitan.train.CheckpointManager(...)``: set that name to this class before the
+        trainer is made, and give the JobConfig's ``checkpoint`` section the fields below with
+        ``--job.custom_config_module`` (a module whose ``JobConfig`` dataclass has a field
+        ``checkpoint: DataStatesCheckpointManager.Config``). A field the config lacks takes its
+        default.
         """
 
         @dataclass(kw_only=True, slots=True)
-        class Config(_CheckpointManager.Config):
+        class Config(TORCHTITAN.config):
             host_cache_size: str | None = None
             """Host memory per rank for snapshots and I/O buffers ("16GiB"; "auto" sizes it from
             the state). None (with io_backend and io_workers None): the process's engine."""
@@ -403,32 +545,36 @@ if _CheckpointManager is not None:
             due while a persist runs waits for the next save); 0: whenever the previous
             persist has finished."""
 
-        def __init__(self, config: Config, *, engine: Engine | None = None,
-                     **kwargs: Any) -> None:
-            super().__init__(config, **kwargs)
+            max_overhead: float | None = None
+            """With memory_tier: the fraction of training time checkpointing may cost the
+            training (0.05: 5%); a save the budget cannot pay for is skipped (logged), so
+            interval=1 takes a checkpoint as often as that allows. None: every save is
+            taken."""
+
+        def __init__(self, *args: Any, engine: Engine | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
             if not self.enable:
                 return
+            config = _with_defaults(TORCHTITAN.config_of(args, kwargs), self.Config)
             engine_args = {k: v for k, v in (("host_cache_size", config.host_cache_size),
                                               ("io_backend", config.io_backend),
                                               ("io_workers", config.io_workers))
                            if v is not None}
             if engine is not None and engine_args:
                 raise ValueError(f"pass engine= or {sorted(engine_args)} in the config, not both")
+            if config.max_overhead is not None and not config.memory_tier:
+                raise ValueError("checkpoint.max_overhead needs checkpoint.memory_tier")
             owns = engine is None and bool(engine_args)
             if owns:
                 engine = Engine(**engine_args)
-            ds = _attach(self, DataStates(
+            ds = DataStates(
                 engine=engine if engine is not None else default_engine(), owns_engine=owns,
                 direct_io=config.direct_io, verify_checksums=config.verify_checksums,
-                overlap=config.overlap))
-            if config.memory_tier:
-                try:
-                    ds.tiers = self._memory_tier(config, ds.engine)
-                except BaseException:
-                    ds.close()
-                    raise
+                overlap=config.overlap, budgeted=config.max_overhead is not None)
+            _attach(self, ds, (lambda: self._memory_tier(config, ds.engine))
+                    if config.memory_tier else None)
 
-        def _memory_tier(self, config: Config, engine: Engine) -> TierManager:
+        def _memory_tier(self, config: Any, engine: Engine) -> TierManager:
             """The memory tier's manager over this checkpoint folder (named as torchtitan
             names its steps)."""
             every = config.persist_interval
@@ -445,43 +591,53 @@ if _CheckpointManager is not None:
                                 keep_durable=config.keep_latest_k or None,
                                 memory_limit=config.memory_limit,
                                 persist=every // config.interval if every else "idle",
-                                replicate=config.memory_replicate, engine=engine)
+                                replicate=config.memory_replicate,
+                                max_overhead=config.max_overhead, engine=engine)
             log.info("dcp_datastates: torchtitan checkpoints go to the memory tier %s and are "
                      "persisted to %s (%s)", tiers.memory, folder,
                      f"every {every} steps" if every else "whenever the last persist is done")
             return tiers
 
-        def _save(self, curr_step: int, last_step: bool = False) -> bool:
-            # the last step's checkpoint (model-only, export dtype, HF) goes straight to the
-            # folder, as torchtitan writes it
+        def _tier_save(self, curr_step: int, last_step: bool = False) -> Any:
+            """torchtitan's save; the last step's checkpoint (model-only, export dtype, HF)
+            goes straight to the folder, as torchtitan writes it."""
+            stock = getattr(TORCHTITAN.manager, TORCHTITAN.save_hook)
             ds: DataStates | None = getattr(self, "datastates", None)
             if ds is None or ds.tiers is None or not last_step:
-                return super()._save(curr_step, last_step)
+                return stock(self, curr_step, last_step)
             ds.direct = True
             try:
-                return super()._save(curr_step, last_step)
+                return stock(self, curr_step, last_step)
             finally:
                 ds.direct = False
 
-        def _load(self, step: int = -1) -> bool:
+        def _tier_load(self, step: int = -1) -> bool:
+            """The newest step complete on every rank, from the fastest tier; torchtitan's
+            own load for the rest."""
+            stock = getattr(TORCHTITAN.manager, TORCHTITAN.load_hook)
             ds: DataStates | None = getattr(self, "datastates", None)
             tiers = ds.tiers if ds is not None else None
             if tiers is None:
-                return super()._load(step)
+                return stock(self, step)
             if step == -1:
                 newest = tiers.latest_step()  # every rank, memory or folder
                 # torchtitan's own pick also counts HF exports (no .metadata) in the folder
                 if newest is None or self._find_load_step() > newest:
-                    return super()._load(step)
+                    return stock(self, step)
                 step = newest
             folder = step_dir(Path(self.folder).absolute(), step)
             if step == 0 or (folder.is_dir() and not is_datastates_checkpoint(folder)):
-                return super()._load(step)  # a seed checkpoint, or one stock torchtitan wrote
+                return stock(self, step)  # a seed checkpoint, or one stock torchtitan wrote
             states = self._states_to_load(model_only=False)
             tiers.load(states, step)
             if MODEL in self.states:  # as torchtitan does: the model's entries are flattened
                 self.states[MODEL].load_state_dict(states)
             return True
+
+        if TORCHTITAN.legacy:  # 0.2.x: the public methods (its trainer calls no hooks)
+            save, load = _tier_save, _tier_load
+        else:  # 0.3.x: BaseCheckpointManager's hooks, behind its guards
+            _save, _load = _tier_save, _tier_load
 
         def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
                      enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
@@ -493,12 +649,26 @@ if _CheckpointManager is not None:
             return _datastates_load(self, super().dcp_load, state_dict, checkpoint_id,
                                     from_hf, from_quantized)
 
+    def _with_defaults(config: Any, cls: type) -> types.SimpleNamespace:
+        """Every field of ``cls`` (a config class), from ``config`` where it has it (a 0.2.x
+        JobConfig section may lack the adapter's fields), else its default."""
+        values = {}
+        for f in fields(cls):
+            if hasattr(config, f.name):
+                values[f.name] = getattr(config, f.name)
+            elif f.default is not MISSING:
+                values[f.name] = f.default
+            elif f.default_factory is not MISSING:
+                values[f.name] = f.default_factory()
+        return types.SimpleNamespace(**values)
+
 else:
 
     def __getattr__(name: str) -> Any:
         if name == "DataStatesCheckpointManager":
             raise ImportError(
-                "DataStatesCheckpointManager needs torchtitan (pip install torchtitan); "
-                "enable_datastates works on any manager with the same methods"
+                f"DataStatesCheckpointManager needs torchtitan (pip install torchtitan; "
+                f"importing it failed: {TORCHTITAN.error}); enable_datastates works on any "
+                f"manager with the same methods"
             )
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
