@@ -29,7 +29,8 @@ from harness.machine import summary
 from harness.tables import Table
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("bench_cpu", "bench_engine", "bench_gpu", "bench_training", "bench_multi_gpu")
+ORDER = ("bench_cpu", "bench_engine", "bench_gpu", "bench_training", "bench_multi_gpu",
+         "bench_torchtitan")
 MARK = "<!-- generated sections -->"
 DEFAULT_TABLES = 1
 TABLES = {
@@ -38,6 +39,7 @@ TABLES = {
     "bench_training_h100": ("GPT", "checkpoint tiers"),
     "bench_training_h100_8g": ("training steps",),
     "bench_training_h100_8g_idiom": ("training steps", "restart after"),
+    "bench_torchtitan_h100": ("torchtitan llama3", "Resume after SIGKILL"),
 }
 
 
