@@ -261,17 +261,19 @@ class SlotPool:
         moves of those whose snapshot is aside (every one once the pool is closed: the
         move then finds no slot and goes to the engine's host cache)."""
         with self._lock:
+            short = False  # a save still waits: the slot on its way (made here) needs the thread
             for waiting in self._waiting:
                 if waiting.slot is None and not self._closed:
                     waiting.slot = self._take()
                     if waiting.slot is None:
+                        short = True
                         break
             due = [w for w in self._waiting
                    if w.queue is not None and (w.slot is not None or self._closed)]
             for waiting in due:
                 self._waiting.remove(waiting)
-        if due:
-            self._thread.wake()  # to ready the spares their slots made
+        if due or short:
+            self._thread.wake()  # to ready the spares their slots made, or the slot on its way
         for waiting in due:
             waiting.queue()
 
