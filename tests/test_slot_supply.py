@@ -5,6 +5,10 @@ engine (``HeldPinEngine``); waits are bounded, never timed."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import MARKS, Tiers
 from fakes import HeldPinEngine
+from test_tiers import wait_until
 
 from dcp_datastates import Engine
 from dcp_datastates.tiers.slots import NextSlot, SlotPool
@@ -61,5 +66,54 @@ def test_a_slot_lost_while_a_save_waits_is_made_again(memory: Path,
         pool.settle(slot, step, committed=False)  # a failed save: its slot is lost
         assert given.wait(5), "the waiting save never got the slot made in place of the lost"
         assert waiting.slot is not None and waiting.slot.pinned
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Path]:
+    """An 8 MiB tmpfs (root only; skipped where mounting is not permitted)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = Path(tempfile.mkdtemp(prefix="dcp_slots_enospc_"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        mnt.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        mnt.rmdir()
+
+
+def free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def test_a_slot_the_tier_has_no_room_for_holds_none_of_its_pages(
+        small_tmpfs: Path, engine: HeldPinEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """prepare() for a state larger than the tier: the pool's thread cannot size the slot.
+    The slot's file gives back the pages it got before the tier ran out (they filled the
+    tier: a save in flight, another process's /dev/shm, failed with ENOSPC), the log says
+    the tier had no room (not that pinning failed), and pinning goes on: a slot that a save
+    sized is pinned once it is free (a full tier turned pinning off for the run)."""
+    caplog.set_level(logging.WARNING, logger="dcp_datastates")
+    pool = SlotPool(engine, small_tmpfs, 3)
+    try:
+        pool.prepare(16 * MiB, 4, wait=True)
+        assert free_bytes(small_tmpfs) > 7 * MiB, "the slot not made holds the tier's pages"
+        assert not any("not pinned" in r.getMessage() for r in caplog.records), [
+            r.getMessage() for r in caplog.records]
+        assert any("no room" in r.getMessage() for r in caplog.records)
+        slot = pool.take()
+        assert slot is not None, "a save sizes its slot itself"
+        lease = slot.lease(2 * MiB, 4)  # a save of a state that fits
+        lease.release()
+        pool.settle(slot, slot.home, committed=False)
+        wait_until(lambda: engine.pinned >= 1, "the slot a save sized to be pinned", 5)
+        assert not pool.readying()
     finally:
         pool.close()

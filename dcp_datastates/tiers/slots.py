@@ -23,9 +23,10 @@ and pinned, or saves waiting for one) gets the next one to come free (:class:`Ne
 save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
 queued once the slot is given (where the GPU has no room to keep it aside, the save's staging
 thread waits for the slot instead). No copy goes into a slot not pinned yet: a copy into
-pageable memory holds the CUDA driver, and the training's next CUDA call waits for all of it (so
-does it, less, while two slots are made at once); once pinning has failed, saves take unpinned
-slots.
+pageable memory holds the CUDA driver, and stalled the training's steps for up to a second on
+an H100 (so do two slots made at once); once pinning has failed, saves take unpinned slots,
+and once the tier had no room for a slot the pool's thread sized (its pages go back to the
+tier), saves size their slots themselves (the thread still pins them once they are free).
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
 manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
@@ -114,8 +115,12 @@ class Slot:
             os.ftruncate(self.fd, 0)
         os.ftruncate(self.fd, size)
         # mapping populates the pages: a tier without room fails here (ENOSPC), not with
-        # SIGBUS at a copy into a hole
-        self.arena = self.pool.engine.map_file(self.fd, size, str(self), pin=False)
+        # SIGBUS at a copy into a hole; the pages populated until then go back to the tier
+        try:
+            self.arena = self.pool.engine.map_file(self.fd, size, str(self), pin=False)
+        except BaseException:
+            os.ftruncate(self.fd, 0)
+            raise
         self.room = room
 
     def lease(self, total: int, entries: int) -> Lease | None:
@@ -211,6 +216,7 @@ class SlotPool:
         self._readied = threading.Condition(self._lock)  # a slot left _readying
         self._waiting: list[NextSlot] = []  # saves waiting for a slot, in save order
         self._warned = self._failed = self._closed = False
+        self._sizing = True  # the pool's thread sizes free slots (False once the tier had no room)
         self._spares = SPARE  # 0 once the tier had no room for them (release_free)
         self._releasing = False  # the pool's thread readies none meanwhile
         self.directory.mkdir(parents=True)
@@ -223,7 +229,12 @@ class SlotPool:
         with self._lock:
             return bool(self._readying) or (
                 self._want is not None and not self._failed and not self._closed
-                and any(not s.pinned for s in self._free))
+                and any(self._to_ready(s) for s in self._free))
+
+    def _to_ready(self, slot: Slot) -> bool:
+        """(Lock held) Whether the pool's thread is to size and pin ``slot`` (a free one)."""
+        return not slot.pinned and (slot.arena is not None
+                                    or (self._want is not None and self._sizing))
 
     def take(self, later: bool = False, spare: bool = True) -> Slot | NextSlot | None:
         """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
@@ -281,11 +292,12 @@ class SlotPool:
         """(Lock held) A free slot that is ready (pinned). Where none is, None, and a slot
         is on its way: one being readied, a free one to ready, or a new one (``limit``
         allowing) that the pool's thread sizes and pins, one at a time (two at once, or a
-        save's copy into memory not pinned yet, stall the training's CUDA calls). Before
-        :meth:`prepare` gave a size, or once pinning failed: any free slot, else a new one
-        (sized by the save). Then (``spare``) a spare is made in its place (readied once the
-        caller wakes the thread)."""
-        if self._want is not None and not self._failed:
+        save's copy into memory not pinned yet, stall the training's CUDA calls for up to a
+        second). Before :meth:`prepare` gave a size, once pinning failed, or once the tier
+        had no room for a slot the thread sized: any free slot, else a new one (sized by the
+        save). Then (``spare``) a spare is made in its place
+        (readied once the caller wakes the thread)."""
+        if self._want is not None and not self._failed and self._sizing:
             slot = next((s for s in reversed(self._free) if s.pinned), None)
             if slot is None:
                 if not self._free and not self._readying and self._count < self.limit:
@@ -344,8 +356,7 @@ class SlotPool:
         when none needs it."""
         with self._lock:
             slot = None if self._failed or self._closed or self._releasing else next(
-                (s for s in self._free if not s.pinned
-                 and (s.arena is not None or self._want is not None)), None)
+                (s for s in self._free if self._to_ready(s)), None)
             if slot is None:
                 return False
             self._free.remove(slot)
@@ -356,14 +367,14 @@ class SlotPool:
             if slot.arena is None:
                 slot.fit(*want)
             sized = time.perf_counter()
-            self.engine.pin_file(slot.arena)
-            slot.pinned = True
-            log.info("dcp_datastates: %s ready: sized in %.2f s, pinned in %.2f s", slot,
-                     sized - start, time.perf_counter() - sized)
-        except Exception as exc:  # noqa: BLE001 - no caller: saves go on, unpinned
-            log.warning("dcp_datastates: %s not pinned (%s); no more slots are pinned: "
-                        "snapshots into them are copied at pageable speed", slot, exc)
-            self._failed = True
+        except Exception as exc:  # noqa: BLE001 - no room on the tier (ENOSPC): no caller
+            log.warning("dcp_datastates: %s not made (%s): the memory tier has no room for "
+                        "a slot ahead of the saves; none is made from now on, a save sizes "
+                        "its slot itself", slot, exc)
+            with self._lock:
+                self._sizing, self._spares = False, 0
+        else:
+            self._pin(slot, start, sized)
         finally:
             with self._lock:
                 self._readying.remove(slot)
@@ -377,12 +388,24 @@ class SlotPool:
             self._serve()
         return True
 
+    def _pin(self, slot: Slot, start: float, sized: float) -> None:
+        """Pin ``slot`` (sized from ``start`` to ``sized``); once that fails, no more."""
+        try:
+            self.engine.pin_file(slot.arena)
+            slot.pinned = True
+            log.info("dcp_datastates: %s ready: sized in %.2f s, pinned in %.2f s", slot,
+                     sized - start, time.perf_counter() - sized)
+        except Exception as exc:  # noqa: BLE001 - no caller: saves go on, unpinned
+            log.warning("dcp_datastates: %s not pinned (%s); no more slots are pinned: "
+                        "snapshots into them are copied at pageable speed", slot, exc)
+            self._failed = True
+
     def free_bytes(self) -> int:
         """Bytes that free slots take on the tier (a save can reuse them), those the pool's
         thread is to size (a spare just made) at the size :meth:`prepare` gave."""
         with self._lock:
             free = [*self._free, *self._readying]
-            want = None if self._failed or self._closed else self._want
+            want = None if self._failed or self._closed or not self._sizing else self._want
             return sum(s.nbytes if s.arena is not None or want is None
                        else max(s.nbytes, s.size_for(*want)) for s in free)
 
