@@ -402,21 +402,39 @@ class SlotPool:
 
     def free_bytes(self) -> int:
         """Bytes that free slots take on the tier (a save can reuse them), those the pool's
-        thread is to size (a spare just made) at the size :meth:`prepare` gave."""
+        thread is to size (a spare just made) at the size :meth:`prepare` gave; less the
+        slots that the saves waiting for one are to get (each save counts its slot itself).
+        """
         with self._lock:
-            free = [*self._free, *self._readying]
+            free = self._unowed([*self._free, *self._readying])
             want = None if self._failed or self._closed or not self._sizing else self._want
             return sum(s.nbytes if s.arena is not None or want is None
                        else max(s.nbytes, s.size_for(*want)) for s in free)
 
+    def _owed(self) -> int:
+        """(Lock held) Saves waiting for a slot that none was given yet."""
+        return 0 if self._closed else sum(w.slot is None for w in self._waiting)
+
+    def _unowed(self, slots: list[Slot]) -> list[Slot]:
+        """(Lock held) ``slots`` (free ones) less those the waiting saves are to get: pinned
+        ones first, then those being readied, then those with a file."""
+        order = sorted(slots, key=lambda s: (s.pinned, s in self._readying, s.fd >= 0))
+        return order[:max(0, len(order) - self._owed())]
+
     def release_free(self) -> int:
-        """A save does not fit on the tier: remove the free slots (once the one being readied,
-        if any, is), and make no more spares; return how many were removed."""
+        """A save does not fit on the tier: remove the free slots that no waiting save is
+        to get (once those being readied are, where they are not all owed to waiting saves),
+        and make no more spares; return how many were removed."""
         with self._lock:
             self._spares, self._releasing = 0, True
-            self._readied.wait_for(lambda: not self._readying)
-            slots, self._free = self._free, []
+            self._readied.wait_for(lambda: len(self._readying) <= self._owed())
+            slots = [s for s in self._unowed([*self._free, *self._readying])
+                     if s not in self._readying]
+            self._free = [s for s in self._free if s not in slots]
             self._releasing = False
+            kept = bool(self._free)
+        if kept:
+            self._thread.wake()  # to ready the free slots kept for waiting saves
         for slot in slots:
             self._forget(slot)
         if slots:
