@@ -147,3 +147,27 @@ def test_a_save_that_gives_the_spare_up_does_not_wait_for_its_pinning(
         out = blank_like(states[2])
         assert manager.load(out) == 2
         assert_state_equal(out, states[2])
+
+
+def test_slots_follow_a_state_that_grew_after_prepare(tiers: Tiers,
+                                                      engine: HeldPinEngine) -> None:
+    """prepare() for a state of 1 MiB, then saves of a state of 4 MiB: the slots made and
+    readied from then on are sized for what the saves take, and a free slot of the old size
+    is sized again and pinned by the pool's thread (one kept the size prepare() gave: each
+    save that took it sized it on the staging thread, and copied into memory not pinned);
+    each step loads exactly."""
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           engine=engine) as manager:
+        manager.prepare(make_state(0, big=MiB), wait=True)
+        for step in range(1, 6):
+            state = make_state(step, big=4 * MiB)
+            manager.save(step, state).result(timeout=10)
+            out = blank_like(state)
+            assert manager.load(out) == step
+            assert_state_equal(out, state)
+        data = {p.stat().st_size for p in tiers.memory.glob("step_*/*.safetensors")}
+
+        def sizes() -> set[int]:
+            return {p.stat().st_size for p in tiers.memory.glob(".slots.*/slot_*")} | data
+
+        wait_until(lambda: min(sizes()) >= 4 * MiB, "every slot sized for the saves' state", 5)

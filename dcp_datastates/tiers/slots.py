@@ -98,6 +98,12 @@ class Slot:
         """Bytes the slot takes once :meth:`fit` for ``total`` bytes of ``entries`` tensors."""
         return max(self.room, header_room(entries)) + round_up(total)
 
+    def sized_for(self, total: int, entries: int) -> bool:
+        """Whether the slot is mapped as :meth:`fit` for ``total`` bytes of ``entries``
+        tensors maps it (a fit would change nothing)."""
+        return (self.arena is not None and self.room >= header_room(entries)
+                and self.arena.nbytes == self.size_for(total, entries))
+
     def fit(self, total: int, entries: int) -> None:
         """Size the slot for ``total`` bytes of data after the header room for ``entries``
         tensors, mapping it again, unpinned, if its size changes. An adopted file keeps its
@@ -126,6 +132,7 @@ class Slot:
     def lease(self, total: int, entries: int) -> Lease | None:
         """Where a snapshot of ``total`` bytes goes: the slot's data region (the slot is
         sized first, on the caller's thread: the engine's staging thread). None if busy."""
+        self.pool.saw(total, entries)
         self.fit(total, entries)
         return self.arena.pool.try_allocate_at(self.room, total)
 
@@ -232,9 +239,21 @@ class SlotPool:
                 and any(self._to_ready(s) for s in self._free))
 
     def _to_ready(self, slot: Slot) -> bool:
-        """(Lock held) Whether the pool's thread is to size and pin ``slot`` (a free one)."""
-        return not slot.pinned and (slot.arena is not None
-                                    or (self._want is not None and self._sizing))
+        """(Lock held) Whether the pool's thread is to size and pin ``slot`` (a free one):
+        one not pinned, or not sized as the saves' state now is."""
+        if self._want is not None and self._sizing:
+            return not slot.pinned or not slot.sized_for(*self._want)
+        return not slot.pinned and slot.arena is not None
+
+    def saw(self, total: int, entries: int) -> None:
+        """A save sizes its slot for ``total`` bytes of ``entries`` tensors: once
+        :meth:`prepare` gave a size, the slots made and readied from now on are sized so (a
+        state that changed since: its free slots are sized again, in the background)."""
+        with self._lock:
+            if self._want is None or self._want == (total, entries):
+                return
+            self._want = (total, entries)
+        self._thread.wake()
 
     def take(self, later: bool = False, spare: bool = True) -> Slot | NextSlot | None:
         """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
@@ -289,7 +308,8 @@ class SlotPool:
             waiting.queue()
 
     def _take(self, spare: bool = True) -> Slot | None:
-        """(Lock held) A free slot that is ready (pinned). Where none is, None, and a slot
+        """(Lock held) A free slot that is ready (pinned, sized as the saves' state is: see
+        :meth:`saw`). Where none is, None, and a slot
         is on its way: one being readied, a free one to ready, or a new one (``limit``
         allowing) that the pool's thread sizes and pins, one at a time (two at once, or a
         save's copy into memory not pinned yet, stall the training's CUDA calls for up to a
@@ -298,7 +318,8 @@ class SlotPool:
         save). Then (``spare``) a spare is made in its place
         (readied once the caller wakes the thread)."""
         if self._want is not None and not self._failed and self._sizing:
-            slot = next((s for s in reversed(self._free) if s.pinned), None)
+            slot = next((s for s in reversed(self._free)
+                         if s.pinned and s.sized_for(*self._want)), None)
             if slot is None:
                 if not self._free and not self._readying and self._count < self.limit:
                     self._free.append(Slot(self, next(self._names)))
@@ -361,10 +382,10 @@ class SlotPool:
                 return False
             self._free.remove(slot)
             self._readying.append(slot)
-            want = self._want
+            want = self._want if self._sizing else None
         try:
             start = time.perf_counter()
-            if slot.arena is None:
+            if want is not None and not slot.sized_for(*want):
                 slot.fit(*want)
             sized = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - no room on the tier (ENOSPC): no caller
@@ -408,8 +429,8 @@ class SlotPool:
         with self._lock:
             free = self._unowed([*self._free, *self._readying])
             want = None if self._failed or self._closed or not self._sizing else self._want
-            return sum(s.nbytes if s.arena is not None or want is None
-                       else max(s.nbytes, s.size_for(*want)) for s in free)
+            return sum(s.nbytes if want is None else max(s.nbytes, s.size_for(*want))
+                       for s in free)
 
     def _owed(self) -> int:
         """(Lock held) Saves waiting for a slot that none was given yet."""
