@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MARKS, Tiers, assert_state_equal, blank_like
-from fakes import HeldPinEngine
+from fakes import FakeClock, HeldPinEngine
 from test_tiers import make_state, wait_until
 
 from dcp_datastates import CheckpointManager, Engine
@@ -171,3 +171,40 @@ def test_slots_follow_a_state_that_grew_after_prepare(tiers: Tiers,
             return {p.stat().st_size for p in tiers.memory.glob(".slots.*/slot_*")} | data
 
         wait_until(lambda: min(sizes()) >= 4 * MiB, "every slot sized for the saves' state", 5)
+
+
+def test_a_spare_the_limit_has_no_room_for_is_not_waited_for(tiers: Tiers,
+                                                            engine: HeldPinEngine) -> None:
+    """Under ``max_overhead`` with a ``memory_limit`` of two states (keep_memory=1): the
+    second save taken makes a spare the limit has no room for, and gives it up at once
+    while the pool's thread is still making it (pinning held): its call does not wait for
+    that pinning (it did, on the training thread: seconds on a GPU host), and the tier
+    ends with no spare."""
+    clock = FakeClock()
+    states = {s: make_state(s, big=2 * MiB) for s in (1, 2)}
+    slot = 2 * MiB + 256 * 1024  # a slot of one state: data and header room
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           engine=engine, memory_limit=2 * slot + 2 * MiB,
+                           max_overhead=0.5, clock=clock) as manager:
+        manager.prepare(states[1], wait=True)
+        clock.now += 1.0
+        manager.save(1, states[1]).result(timeout=10)
+        wait_until(lambda: engine.pinned == 2, "the spare to be pinned", 5)
+        engine.gate.clear()
+        opens = threading.Timer(3, engine.gate.set)  # bounds the wait where save() waits
+        opens.start()
+        clock.now += 100.0
+        start = time.monotonic()
+        handle = manager.save(2, states[2])
+        called = time.monotonic() - start
+        engine.gate.set()
+        opens.cancel()
+        assert not handle.skipped, handle.reason
+        handle.result(timeout=10)
+        assert called < 2, f"save() waited {called:.1f} s for the spare's pinning"
+        manager.wait()
+        wait_until(lambda: len(list(tiers.memory.glob(".slots.*/slot_*"))) <= 1,
+                   "the spare given up", 5)
+        out = blank_like(states[2])
+        assert manager.load(out) == 2
+        assert_state_equal(out, states[2])

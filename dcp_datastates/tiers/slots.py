@@ -225,7 +225,7 @@ class SlotPool:
         self._warned = self._failed = self._closed = False
         self._sizing = True  # the pool's thread sizes free slots (False once the tier had no room)
         self._spares = SPARE  # 0 once the tier had no room for them (release_free)
-        self._releasing = False  # the pool's thread readies none meanwhile
+        self._doomed: set[Slot] = set()  # being readied, to be removed then (release_free)
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
@@ -376,7 +376,7 @@ class SlotPool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
         when none needs it."""
         with self._lock:
-            slot = None if self._failed or self._closed or self._releasing else next(
+            slot = None if self._failed or self._closed else next(
                 (s for s in self._free if self._to_ready(s)), None)
             if slot is None:
                 return False
@@ -399,12 +399,14 @@ class SlotPool:
         finally:
             with self._lock:
                 self._readying.remove(slot)
+                doomed = slot in self._doomed and not self._owed()  # else a waiting save's
+                self._doomed.discard(slot)
                 closed = self._closed
-                if not closed:
+                if not (closed or doomed):
                     self._free.append(slot)
                 self._readied.notify_all()
-        if closed:  # the pool closed meanwhile (a prepare(wait=True) was helping)
-            self._forget(slot)
+        if closed or doomed:  # the pool closed meanwhile (a prepare(wait=True) was helping),
+            self._forget(slot)  # or release_free gave the slot up
         else:
             self._serve()
         return True
@@ -427,7 +429,8 @@ class SlotPool:
         slots that the saves waiting for one are to get (each save counts its slot itself).
         """
         with self._lock:
-            free = self._unowed([*self._free, *self._readying])
+            free = self._unowed([s for s in [*self._free, *self._readying]
+                                 if s not in self._doomed])
             want = None if self._failed or self._closed or not self._sizing else self._want
             return sum(s.nbytes if want is None else max(s.nbytes, s.size_for(*want))
                        for s in free)
@@ -444,25 +447,26 @@ class SlotPool:
 
     def release_free(self) -> int:
         """A save does not fit on the tier: remove the free slots that no waiting save is
-        to get (once those being readied are, where they are not all owed to waiting saves),
-        and make no more spares; return how many were removed."""
+        to get (one being readied once the pool's thread is done with it: the save does not
+        wait, and no longer counts it), and make no more spares; return how many go."""
         with self._lock:
-            self._spares, self._releasing = 0, True
-            self._readied.wait_for(lambda: len(self._readying) <= self._owed())
-            slots = [s for s in self._unowed([*self._free, *self._readying])
-                     if s not in self._readying]
+            self._spares = 0
+            unowed = self._unowed([s for s in [*self._free, *self._readying]
+                                   if s not in self._doomed])
+            slots = [s for s in unowed if s not in self._readying]
+            doomed = [s for s in unowed if s in self._readying]
+            self._doomed.update(doomed)
             self._free = [s for s in self._free if s not in slots]
-            self._releasing = False
             kept = bool(self._free)
         if kept:
             self._thread.wake()  # to ready the free slots kept for waiting saves
         for slot in slots:
             self._forget(slot)
-        if slots:
+        if slots or doomed:
             log.info("dcp_datastates: the memory tier %s had no room for a save: %d free "
                      "slot(s) removed; no slot is made ahead of the saves from now on",
-                     self.directory.parent, len(slots))
-        return len(slots)
+                     self.directory.parent, len(slots) + len(doomed))
+        return len(slots) + len(doomed)
 
     def settle(self, slot: Slot | NextSlot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
