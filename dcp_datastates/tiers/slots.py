@@ -217,6 +217,7 @@ class SlotPool:
         self._held: dict[Path, Slot] = {}  # step directory -> its slot
         self._readying: list[Slot] = []  # free slots being sized or pinned (thread, waiter)
         self._want: tuple[int, int] | None = None  # the size prepare() gave: (total, entries)
+        self._last: tuple[int, int] | None = None  # the size the last save took (saw)
         self._count = 0  # slots mapped now
         self._names = itertools.count()
         self._lock = threading.Lock()
@@ -247,12 +248,16 @@ class SlotPool:
 
     def saw(self, total: int, entries: int) -> None:
         """A save sizes its slot for ``total`` bytes of ``entries`` tensors: once
-        :meth:`prepare` gave a size, the slots made and readied from now on are sized so (a
-        state that changed since: its free slots are sized again, in the background)."""
+        :meth:`prepare` gave a size and two saves in a row took this one (a state that grew
+        since, e.g. by the optimizer's state; not saves of two states in turn, whose slots
+        would be sized again at each), the slots made and readied from now on are sized so,
+        the free ones again, in the background."""
+        size = (total, entries)
         with self._lock:
-            if self._want is None or self._want == (total, entries):
+            last, self._last = self._last, size
+            if self._want is None or self._want == size or last != size:
                 return
-            self._want = (total, entries)
+            self._want = size
         self._thread.wake()
 
     def take(self, later: bool = False, spare: bool = True) -> Slot | NextSlot | None:
