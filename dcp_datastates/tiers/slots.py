@@ -14,10 +14,12 @@ save's call or the training: the pool's thread (:mod:`.slot_pinning`) sizes and 
 slots in the background, one at a time, the one the next save needs first.
 Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
 pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
-``limit``; a slot a dropped step gives back is free again (slots made stay). Saves that are
-committed before the next one comes (every N steps) hold ``keep_memory + 2`` slots at most:
-the kept steps, the one being written and the spare; one more while a step older than the
-kept ones is still being persisted (retention leaves it).
+``limit`` (sized as ``prepare()`` said, or as two saves in a row took: a state that grew since,
+e.g. by its optimizer's state, has its free slots sized again in the background); a slot a
+dropped step gives back is free again (slots made stay). Saves that are committed before
+the next one comes (every N steps) hold ``keep_memory + 2`` slots at most: the kept steps,
+the one being written and the spare; one more while a step older than the kept ones is still
+being persisted (retention leaves it).
 A save taken while no free slot is ready (every slot in use, the next one still being sized
 and pinned, or saves waiting for one) gets the next one to come free (:class:`NextSlot`), in
 save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
