@@ -25,10 +25,10 @@ and pinned, or saves waiting for one) gets the next one to come free (:class:`Ne
 save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
 queued once the slot is given (where the GPU has no room to keep it aside, the save's staging
 thread waits for the slot instead). No copy goes into a slot not pinned yet: a copy into
-pageable memory holds the CUDA driver, and stalled the training's steps for up to a second on
-an H100 (so do two slots made at once); once pinning has failed, saves take unpinned slots,
-and once the tier had no room for a slot the pool's thread sized (its pages go back to the
-tier), saves size their slots themselves (the thread still pins them once they are free).
+pageable memory holds the CUDA driver, and the training's next CUDA call waits for all of it (so
+does it, less, while two slots are made at once); once pinning has failed, saves take unpinned
+slots, and once the tier had no room for a slot the pool's thread sized (its pages go back to
+the tier), saves size their slots themselves (the thread still pins them once they are free).
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
 manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
@@ -316,14 +316,13 @@ class SlotPool:
 
     def _take(self, spare: bool = True) -> Slot | None:
         """(Lock held) A free slot that is ready (pinned, sized as the saves' state is: see
-        :meth:`saw`). Where none is, None, and a slot
-        is on its way: one being readied, a free one to ready, or a new one (``limit``
-        allowing) that the pool's thread sizes and pins, one at a time (two at once, or a
-        save's copy into memory not pinned yet, stall the training's CUDA calls for up to a
-        second). Before :meth:`prepare` gave a size, once pinning failed, or once the tier
-        had no room for a slot the thread sized: any free slot, else a new one (sized by the
-        save). Then (``spare``) a spare is made in its place
-        (readied once the caller wakes the thread)."""
+        :meth:`saw`). Where none is, None, and a slot is on its way: one being readied, a free
+        one to ready, or a new one (``limit`` allowing) that the pool's thread sizes and pins,
+        one at a time (two at once, or a save's copy into memory not pinned yet, stall the
+        training's CUDA calls). Before :meth:`prepare` gave a size, once pinning failed, or
+        once the tier had no room for a slot the thread sized: any free slot, else a new one
+        (sized by the save). Then (``spare``) a spare is made in its place (readied once the
+        caller wakes the thread)."""
         if self._want is not None and not self._failed and self._sizing:
             slot = next((s for s in reversed(self._free)
                          if s.pinned and s.sized_for(*self._want)), None)
