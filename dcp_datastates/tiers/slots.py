@@ -14,10 +14,12 @@ save's call or the training: the pool's thread (:mod:`.slot_pinning`) sizes and 
 slots in the background, one at a time, the one the next save needs first.
 Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
 pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
-``limit``; a slot a dropped step gives back is free again (slots made stay). Saves that are
-committed before the next one comes (every N steps) hold ``keep_memory + 2`` slots at most:
-the kept steps, the one being written and the spare; one more while a step older than the
-kept ones is still being persisted (retention leaves it).
+``limit`` (sized as ``prepare()`` said, or as two saves in a row took: a state that grew since,
+e.g. by its optimizer's state, has its free slots sized again in the background); a slot a
+dropped step gives back is free again (slots made stay). Saves that are committed before
+the next one comes (every N steps) hold ``keep_memory + 2`` slots at most: the kept steps,
+the one being written and the spare; one more while a step older than the kept ones is still
+being persisted (retention leaves it).
 A save taken while no free slot is ready (every slot in use, the next one still being sized
 and pinned, or saves waiting for one) gets the next one to come free (:class:`NextSlot`), in
 save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
@@ -25,7 +27,8 @@ queued once the slot is given (where the GPU has no room to keep it aside, the s
 thread waits for the slot instead). No copy goes into a slot not pinned yet: a copy into
 pageable memory holds the CUDA driver, and the training's next CUDA call waits for all of it (so
 does it, less, while two slots are made at once); once pinning has failed, saves take unpinned
-slots.
+slots, and once the tier had no room for a slot the pool's thread sized (its pages go back to
+the tier), saves size their slots themselves (the thread still pins them once they are free).
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
 manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
@@ -97,6 +100,12 @@ class Slot:
         """Bytes the slot takes once :meth:`fit` for ``total`` bytes of ``entries`` tensors."""
         return max(self.room, header_room(entries)) + round_up(total)
 
+    def sized_for(self, total: int, entries: int) -> bool:
+        """Whether the slot is mapped as :meth:`fit` for ``total`` bytes of ``entries``
+        tensors maps it (a fit would change nothing)."""
+        return (self.arena is not None and self.room >= header_room(entries)
+                and self.arena.nbytes == self.size_for(total, entries))
+
     def fit(self, total: int, entries: int) -> None:
         """Size the slot for ``total`` bytes of data after the header room for ``entries``
         tensors, mapping it again, unpinned, if its size changes. An adopted file keeps its
@@ -114,13 +123,18 @@ class Slot:
             os.ftruncate(self.fd, 0)
         os.ftruncate(self.fd, size)
         # mapping populates the pages: a tier without room fails here (ENOSPC), not with
-        # SIGBUS at a copy into a hole
-        self.arena = self.pool.engine.map_file(self.fd, size, str(self), pin=False)
+        # SIGBUS at a copy into a hole; the pages populated until then go back to the tier
+        try:
+            self.arena = self.pool.engine.map_file(self.fd, size, str(self), pin=False)
+        except BaseException:
+            os.ftruncate(self.fd, 0)
+            raise
         self.room = room
 
     def lease(self, total: int, entries: int) -> Lease | None:
         """Where a snapshot of ``total`` bytes goes: the slot's data region (the slot is
         sized first, on the caller's thread: the engine's staging thread). None if busy."""
+        self.pool.saw(total, entries)
         self.fit(total, entries)
         return self.arena.pool.try_allocate_at(self.room, total)
 
@@ -205,14 +219,16 @@ class SlotPool:
         self._held: dict[Path, Slot] = {}  # step directory -> its slot
         self._readying: list[Slot] = []  # free slots being sized or pinned (thread, waiter)
         self._want: tuple[int, int] | None = None  # the size prepare() gave: (total, entries)
+        self._last: tuple[int, int] | None = None  # the size the last save took (saw)
         self._count = 0  # slots mapped now
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._readied = threading.Condition(self._lock)  # a slot left _readying
         self._waiting: list[NextSlot] = []  # saves waiting for a slot, in save order
         self._warned = self._failed = self._closed = False
+        self._sizing = True  # the pool's thread sizes free slots (False once the tier had no room)
         self._spares = SPARE  # 0 once the tier had no room for them (release_free)
-        self._releasing = False  # the pool's thread readies none meanwhile
+        self._doomed: set[Slot] = set()  # being readied, to be removed then (release_free)
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
@@ -223,7 +239,28 @@ class SlotPool:
         with self._lock:
             return bool(self._readying) or (
                 self._want is not None and not self._failed and not self._closed
-                and any(not s.pinned for s in self._free))
+                and any(self._to_ready(s) for s in self._free))
+
+    def _to_ready(self, slot: Slot) -> bool:
+        """(Lock held) Whether the pool's thread is to size and pin ``slot`` (a free one):
+        one not pinned, or not sized as the saves' state now is."""
+        if self._want is not None and self._sizing:
+            return not slot.pinned or not slot.sized_for(*self._want)
+        return not slot.pinned and slot.arena is not None
+
+    def saw(self, total: int, entries: int) -> None:
+        """A save sizes its slot for ``total`` bytes of ``entries`` tensors: once
+        :meth:`prepare` gave a size and two saves in a row took this one (a state that grew
+        since, e.g. by the optimizer's state; not saves of two states in turn, whose slots
+        would be sized again at each), the slots made and readied from now on are sized so,
+        the free ones again, in the background."""
+        size = (total, entries)
+        with self._lock:
+            last, self._last = self._last, size
+            if self._want is None or self._want == size or last != size:
+                return
+            self._want = size
+        self._thread.wake()
 
     def take(self, later: bool = False, spare: bool = True) -> Slot | NextSlot | None:
         """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
@@ -261,30 +298,34 @@ class SlotPool:
         moves of those whose snapshot is aside (every one once the pool is closed: the
         move then finds no slot and goes to the engine's host cache)."""
         with self._lock:
+            short = False  # a save still waits: the slot on its way (made here) needs the thread
             for waiting in self._waiting:
                 if waiting.slot is None and not self._closed:
                     waiting.slot = self._take()
                     if waiting.slot is None:
+                        short = True
                         break
             due = [w for w in self._waiting
                    if w.queue is not None and (w.slot is not None or self._closed)]
             for waiting in due:
                 self._waiting.remove(waiting)
-        if due:
-            self._thread.wake()  # to ready the spares their slots made
+        if due or short:
+            self._thread.wake()  # to ready the spares their slots made, or the slot on its way
         for waiting in due:
             waiting.queue()
 
     def _take(self, spare: bool = True) -> Slot | None:
-        """(Lock held) A free slot that is ready (pinned). Where none is, None, and a slot
-        is on its way: one being readied, a free one to ready, or a new one (``limit``
-        allowing) that the pool's thread sizes and pins, one at a time (two at once, or a
-        save's copy into memory not pinned yet, stall the training's CUDA calls). Before
-        :meth:`prepare` gave a size, or once pinning failed: any free slot, else a new one
+        """(Lock held) A free slot that is ready (pinned, sized as the saves' state is: see
+        :meth:`saw`). Where none is, None, and a slot is on its way: one being readied, a free
+        one to ready, or a new one (``limit`` allowing) that the pool's thread sizes and pins,
+        one at a time (two at once, or a save's copy into memory not pinned yet, stall the
+        training's CUDA calls). Before :meth:`prepare` gave a size, once pinning failed, or
+        once the tier had no room for a slot the thread sized: any free slot, else a new one
         (sized by the save). Then (``spare``) a spare is made in its place (readied once the
         caller wakes the thread)."""
-        if self._want is not None and not self._failed:
-            slot = next((s for s in reversed(self._free) if s.pinned), None)
+        if self._want is not None and not self._failed and self._sizing:
+            slot = next((s for s in reversed(self._free)
+                         if s.pinned and s.sized_for(*self._want)), None)
             if slot is None:
                 if not self._free and not self._readying and self._count < self.limit:
                     self._free.append(Slot(self, next(self._names)))
@@ -341,19 +382,44 @@ class SlotPool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
         when none needs it."""
         with self._lock:
-            slot = None if self._failed or self._closed or self._releasing else next(
-                (s for s in self._free if not s.pinned
-                 and (s.arena is not None or self._want is not None)), None)
+            slot = None if self._failed or self._closed else next(
+                (s for s in self._free if self._to_ready(s)), None)
             if slot is None:
                 return False
             self._free.remove(slot)
             self._readying.append(slot)
-            want = self._want
+            want = self._want if self._sizing else None
         try:
             start = time.perf_counter()
-            if slot.arena is None:
+            if want is not None and not slot.sized_for(*want):
                 slot.fit(*want)
             sized = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - no room on the tier (ENOSPC): no caller
+            log.warning("dcp_datastates: %s not made (%s): the memory tier has no room for "
+                        "a slot ahead of the saves; none is made from now on, a save sizes "
+                        "its slot itself", slot, exc)
+            with self._lock:
+                self._sizing, self._spares = False, 0
+        else:
+            self._pin(slot, start, sized)
+        finally:
+            with self._lock:
+                self._readying.remove(slot)
+                doomed = slot in self._doomed and not self._owed()  # else a waiting save's
+                self._doomed.discard(slot)
+                closed = self._closed
+                if not (closed or doomed):
+                    self._free.append(slot)
+                self._readied.notify_all()
+        if closed or doomed:  # the pool closed meanwhile (a prepare(wait=True) was helping),
+            self._forget(slot)  # or release_free gave the slot up
+        else:
+            self._serve()
+        return True
+
+    def _pin(self, slot: Slot, start: float, sized: float) -> None:
+        """Pin ``slot`` (sized from ``start`` to ``sized``); once that fails, no more."""
+        try:
             self.engine.pin_file(slot.arena)
             slot.pinned = True
             log.info("dcp_datastates: %s ready: sized in %.2f s, pinned in %.2f s", slot,
@@ -362,43 +428,51 @@ class SlotPool:
             log.warning("dcp_datastates: %s not pinned (%s); no more slots are pinned: "
                         "snapshots into them are copied at pageable speed", slot, exc)
             self._failed = True
-        finally:
-            with self._lock:
-                self._readying.remove(slot)
-                closed = self._closed
-                if not closed:
-                    self._free.append(slot)
-                self._readied.notify_all()
-        if closed:  # the pool closed meanwhile (a prepare(wait=True) was helping)
-            self._forget(slot)
-        else:
-            self._serve()
-        return True
 
     def free_bytes(self) -> int:
         """Bytes that free slots take on the tier (a save can reuse them), those the pool's
-        thread is to size (a spare just made) at the size :meth:`prepare` gave."""
+        thread is to size (a spare just made) at the size :meth:`prepare` gave; less the
+        slots that the saves waiting for one are to get (each save counts its slot itself).
+        """
         with self._lock:
-            free = [*self._free, *self._readying]
-            want = None if self._failed or self._closed else self._want
-            return sum(s.nbytes if s.arena is not None or want is None
-                       else max(s.nbytes, s.size_for(*want)) for s in free)
+            free = self._unowed([s for s in [*self._free, *self._readying]
+                                 if s not in self._doomed])
+            want = None if self._failed or self._closed or not self._sizing else self._want
+            return sum(s.nbytes if want is None else max(s.nbytes, s.size_for(*want))
+                       for s in free)
+
+    def _owed(self) -> int:
+        """(Lock held) Saves waiting for a slot that none was given yet."""
+        return 0 if self._closed else sum(w.slot is None for w in self._waiting)
+
+    def _unowed(self, slots: list[Slot]) -> list[Slot]:
+        """(Lock held) ``slots`` (free ones) less those the waiting saves are to get: pinned
+        ones first, then those being readied, then those with a file."""
+        order = sorted(slots, key=lambda s: (s.pinned, s in self._readying, s.fd >= 0))
+        return order[:max(0, len(order) - self._owed())]
 
     def release_free(self) -> int:
-        """A save does not fit on the tier: remove the free slots (once the one being readied,
-        if any, is), and make no more spares; return how many were removed."""
+        """A save does not fit on the tier: remove the free slots that no waiting save is
+        to get (one being readied once the pool's thread is done with it: the save does not
+        wait, and no longer counts it), and make no more spares; return how many go."""
         with self._lock:
-            self._spares, self._releasing = 0, True
-            self._readied.wait_for(lambda: not self._readying)
-            slots, self._free = self._free, []
-            self._releasing = False
+            self._spares = 0
+            unowed = self._unowed([s for s in [*self._free, *self._readying]
+                                   if s not in self._doomed])
+            slots = [s for s in unowed if s not in self._readying]
+            doomed = [s for s in unowed if s in self._readying]
+            self._doomed.update(doomed)
+            self._free = [s for s in self._free if s not in slots]
+            kept = bool(self._free)
+        if kept:
+            self._thread.wake()  # to ready the free slots kept for waiting saves
         for slot in slots:
             self._forget(slot)
-        if slots:
+        if slots or doomed:
             log.info("dcp_datastates: the memory tier %s had no room for a save: %d free "
                      "slot(s) removed; no slot is made ahead of the saves from now on",
-                     self.directory.parent, len(slots))
-        return len(slots)
+                     self.directory.parent, len(slots) + len(doomed))
+        return len(slots) + len(doomed)
 
     def settle(self, slot: Slot | NextSlot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
