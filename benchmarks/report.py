@@ -35,11 +35,12 @@ MARK = "<!-- generated sections -->"
 DEFAULT_TABLES = 1
 TABLES = {
     "bench_engine_cpu": ("fresh writer per save", "30000 tiny tensors"),
-    "bench_training_2xh100": ("training steps", "DCP's idiom", "restart after"),
-    "bench_training_h100": ("GPT", "checkpoint tiers"),
+    "bench_training_2xh100": ("training steps",),
     "bench_training_h100_8g": ("training steps",),
-    "bench_training_h100_8g_idiom": ("training steps", "restart after"),
+    "bench_training_h100_8g_idiom": ("training steps",),
     "bench_torchtitan_h100": ("torchtitan llama3", "Resume after SIGKILL"),
+    "bench_torchtitan_2xh100": ("Resume after SIGKILL",),
+    "bench_training_h100": ("GPT",),
 }
 
 
