@@ -72,7 +72,9 @@ def fs_magic(directory: Path) -> int | None:
 
 def fs_name(directory: Path) -> str:
     magic = fs_magic(directory)
-    return _FS_NAMES.get(magic, f"0x{magic:x}" if magic is not None else "unknown")
+    if magic is None:
+        return "unknown"
+    return _FS_NAMES.get(magic, f"0x{magic:x}")
 
 
 def memory_backed(directory: Path) -> bool:
@@ -175,9 +177,11 @@ def open_regular(path: Path) -> int:
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        why = {errno.ENOENT: "is missing",
-               errno.ELOOP: "is a symbolic link (checkpoint files are never opened through one)",
-               }.get(exc.errno, f"cannot be opened ({exc.strerror})")
+        whys: dict[int | None, str] = {
+            errno.ENOENT: "is missing",
+            errno.ELOOP: "is a symbolic link (checkpoint files are never opened through one)",
+        }
+        why = whys.get(exc.errno, f"cannot be opened ({exc.strerror})")
         raise OSError(exc.errno, why, str(path)) from None
     try:
         mode = os.fstat(fd).st_mode

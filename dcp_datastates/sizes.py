@@ -28,7 +28,7 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
     else:
         match = _PATTERN.match(value)
         unit = match.group(2).lower() if match else None
-        if unit not in _UNITS:
+        if match is None or unit not in _UNITS:
             raise ValueError(
                 f"{name}={value!r} is not a size; write bytes or a number with one of "
                 f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '16GiB')"

@@ -14,6 +14,8 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger("dcp_datastates")
 
@@ -22,6 +24,27 @@ log = logging.getLogger("dcp_datastates")
 _TRANSIENT = frozenset({-errno.ENOMEM, -errno.EAGAIN, -errno.EINTR, -errno.EBADFD})
 
 _Buf = tuple[int, int]  # addr, nbytes
+
+
+class Shim(Protocol):
+    """The loaded io_uring shim (a ``ctypes.CDLL``, or a test's wrapper of one): its functions
+    take handles, addresses and sizes and return an int (negative: ``-errno``)."""
+
+    # read-only members, so that a CDLL's function pointers (found by __getattr__) match
+    @property
+    def dsu_create(self) -> Callable[..., int]: ...
+    @property
+    def dsu_destroy(self) -> Callable[..., int]: ...
+    @property
+    def dsu_set_buffers(self) -> Callable[..., int]: ...
+    @property
+    def dsu_share_buffers(self) -> Callable[..., int]: ...
+    @property
+    def dsu_registered(self) -> Callable[..., int]: ...
+    @property
+    def dsu_rw(self) -> Callable[..., int]: ...
+    @property
+    def dsu_fsync(self) -> Callable[..., int]: ...
 
 
 class _Ring:
@@ -36,7 +59,7 @@ class RingPool:
     """The rings of one backend (over the loaded shim ``lib``), each keeping ``depth`` I/Os in
     flight, and the set of fixed buffers they share."""
 
-    def __init__(self, lib: object, depth: int) -> None:
+    def __init__(self, lib: Shim, depth: int) -> None:
         self._lib = lib
         self.depth = depth
         self._lock = threading.Lock()  # guards everything below and every ring in _idle

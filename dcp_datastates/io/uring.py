@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .base import IOReq
-from .rings import RingPool
+from .rings import RingPool, Shim
 
 __all__ = ["ABI_VERSION", "UringBackend", "UringUnavailable", "check_abi", "shim_path"]
 
@@ -102,12 +102,11 @@ class UringBackend:
     name = "uring"
 
     def __init__(self, depth: int = 64, max_io: int = 4 << 20, shim: str | Path | None = None,
-                 wrap_shim: Callable[[ctypes.CDLL], object] | None = None):
+                 wrap_shim: Callable[[ctypes.CDLL], Shim] | None = None):
         """``wrap_shim`` wraps the loaded shim (tests inject kernel behaviours through it)."""
         _check_sysctl()
-        self._lib = _load(Path(shim) if shim is not None else shim_path())
-        if wrap_shim is not None:
-            self._lib = wrap_shim(self._lib)
+        lib = _load(Path(shim) if shim is not None else shim_path())
+        self._lib: Shim = wrap_shim(lib) if wrap_shim is not None else lib
         self.depth, self.max_io = depth, max_io
         try:
             self._rings = RingPool(self._lib, depth)
