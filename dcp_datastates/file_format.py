@@ -16,7 +16,7 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -123,13 +123,19 @@ def place(items: list[ItemSpec]) -> list[Placement]:
     return placements + place_bytes([i for i in items if i.dtype is None], end)
 
 
+def _itemsize(spec: ItemSpec) -> int:
+    if spec.dtype is None:
+        raise TypeError(f"{spec.name} is a bytes item, not a tensor")
+    return spec.dtype.itemsize
+
+
 def place_tensors(tensors: list[ItemSpec]) -> list[Placement]:
     """Where each tensor (and each padding entry) sits, relative to the data start: the one
     function that decides it, for the snapshot and the data file alike. Large tensors first,
     in the order given, each 4 KiB aligned; then small ones packed by element size."""
     large = [i for i in tensors if i.nbytes >= LARGE_ITEM_BYTES]
     small = sorted(  # by element size, largest first: each stays naturally aligned
-        (i for i in tensors if i.nbytes < LARGE_ITEM_BYTES), key=lambda i: -i.dtype.itemsize
+        (i for i in tensors if i.nbytes < LARGE_ITEM_BYTES), key=lambda i: -_itemsize(i)
     )
     placements: list[Placement] = []
     cursor = 0
@@ -192,7 +198,7 @@ def encode_header(meta: dict[str, str], entries: dict[str, object], align: int,
 
 def header_entry(spec: ItemSpec) -> tuple[str, str, list[int]]:
     """An item's header key, safetensors dtype and shape (raw items: ``U8`` bytes)."""
-    dtype = SAFETENSORS_DTYPES.get(spec.dtype)
+    dtype = SAFETENSORS_DTYPES.get(spec.dtype) if spec.dtype is not None else None
     if dtype is None:
         return entry_key(spec.name), "U8", [spec.nbytes]
     return entry_key(spec.name), dtype, list(spec.shape)
@@ -236,7 +242,7 @@ def entry_mismatch(header: dict[str, object], data_start: int, spec: ItemSpec,
     return "; ".join(diffs) or None
 
 
-def layout_mismatch(header: dict[str, object], data_start: int, file_size: int) -> str | None:
+def layout_mismatch(header: dict[str, Any], data_start: int, file_size: int) -> str | None:
     """What is wrong with how a file's entries lay out its data (its header checked by
     ``read_header``): entries must tile the data, no overlap and no hole (safetensors' rule),
     and end where the file does. None if nothing is."""
@@ -364,7 +370,10 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
     return obj
 
 

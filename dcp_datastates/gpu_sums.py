@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -147,7 +148,7 @@ _HEADERS = {
 }
 
 
-def _check(result: object, what: str) -> object:
+def _check(result: object, what: str) -> Any:  # cuda.bindings' objects (no stubs)
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         raise RuntimeError(f"{what} failed: {err!r}")
@@ -167,10 +168,13 @@ class GpuHashes:
     on the stream is known to be over."""
 
     def __init__(self, host: torch.Tensor, event: object, n: int) -> None:
-        self._host, self.event, self._n = host, event, n
+        self._host: torch.Tensor | None = host
+        self.event, self._n = event, n
 
     def digests(self) -> list[int]:
         """The blocks' digests (the caller has waited for :attr:`event`)."""
+        if self._host is None:
+            raise RuntimeError("the block table is released")
         return [d & 0xFFFFFFFFFFFFFFFF for d in self._host[2 * self._n :].tolist()]
 
     def release(self) -> None:

@@ -15,6 +15,7 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -83,7 +84,7 @@ def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
         return 0 if got == 0 else ctypes.get_errno()
 
     if threads == 1:
-        errors = map(advise, pieces)
+        errors: Iterable[int] = map(advise, pieces)
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="dcp_datastates-populate") as pool:
             errors = list(pool.map(advise, pieces))
@@ -118,11 +119,11 @@ class Lease:
     def as_tensor(self, nbytes: int | None = None, start: int = 0) -> torch.Tensor:
         """Bytes ``[start, start + nbytes)`` of the lease as a flat uint8 tensor."""
         n = self.nbytes - start if nbytes is None else nbytes
-        return self.pool.arena.tensor[self.offset + start : self.offset + start + n]
+        return self.pool.arena.mapped()[self.offset + start : self.offset + start + n]
 
     def storage(self) -> torch.UntypedStorage:
         """A storage of the lease's own (offset 0), which torch can pickle and share."""
-        return self.pool.arena.tensor.untyped_storage()[self.offset : self.offset + self.capacity]
+        return self.pool.arena.mapped().untyped_storage()[self.offset : self.offset + self.capacity]
 
     def release(self) -> None:
         """Give the lease back to its pool (idempotent)."""
@@ -236,10 +237,17 @@ class Arena:
             unmap(addr, self.nbytes)
             raise
         self.addr: int = addr
-        self.tensor = torch.frombuffer((ctypes.c_char * self.nbytes).from_address(addr),
-                                       dtype=torch.uint8)
+        self.tensor: torch.Tensor | None = torch.frombuffer(
+            (ctypes.c_char * self.nbytes).from_address(addr), dtype=torch.uint8
+        )
         self.pool = Pool(self, name)
         self.freed = False
+
+    def mapped(self) -> torch.Tensor:
+        """The memory as a flat uint8 tensor; raises RuntimeError once freed."""
+        if self.tensor is None:
+            raise RuntimeError(f"the {self.pool.name} cache is freed")
+        return self.tensor
 
     def free(self) -> None:
         """Unmap the memory. Raises RuntimeError while a lease is live."""

@@ -42,7 +42,9 @@ class WriteWatch:
     def changed(self) -> list[int]:
         """Fence now if not yet; the sources written in place before the fence."""
         self.fence()
-        return sorted(i for i, v in self._fenced.items() if v != self._start[i])
+        fenced = self._fenced
+        assert fenced is not None  # fence() has set it, and nothing unsets it
+        return sorted(i for i, v in fenced.items() if v != self._start[i])
 
 
 def _written_through(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
