@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cuda_copy import Copy, CudaCopier
+from .host_cache import set_storage
 from .snapshot import MEMMOVE_BYTES, nbytes_of
 
 #: A GPU buffer aside is made only where this fraction of the device's memory stays free
@@ -82,10 +83,12 @@ def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
             ctypes.memmove(view.data_ptr(), src.data_ptr(), n)
         else:
             view.copy_(src)
-    if copies["d2h"]:
-        cuda.copy(copies["d2h"], "d2h", after=ready)
-    if copies["d2d"]:
-        cuda.copy(copies["d2d"], "d2d", after=ready, issued=issued)
+    if copies["d2h"] or copies["d2d"]:
+        assert cuda is not None  # copies are listed only where cuda is given
+        if copies["d2h"]:
+            cuda.copy(copies["d2h"], "d2h", after=ready)
+        if copies["d2d"]:
+            cuda.copy(copies["d2d"], "d2d", after=ready, issued=issued)
     return aside
 
 
@@ -135,5 +138,5 @@ def _view(buffer: torch.Tensor | None, offset: int, src: torch.Tensor) -> torch.
     empty source)."""
     if buffer is None or src.numel() == 0:
         return torch.empty(src.shape, dtype=src.dtype)
-    return torch.empty(0, dtype=src.dtype, device=buffer.device).set_(
-        buffer.untyped_storage(), offset // src.element_size(), src.shape)
+    return set_storage(torch.empty(0, dtype=src.dtype, device=buffer.device),
+                       buffer.untyped_storage(), offset // src.element_size(), src.shape)

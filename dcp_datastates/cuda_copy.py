@@ -199,7 +199,7 @@ class CudaCopier:
                            "cudaStreamWaitEvent")
                 pending.spans.append((stream, _event(stream), None))
                 hashes = (self._hash(copies, checksums, device, pending)
-                          if device in hashed else None)
+                          if checksums is not None and device in hashed else None)
                 if len(batch) == 1 or not self._copy_batch(batch, stream):
                     for dst, src, nbytes in batch:
                         _check(cudart.cudaMemcpyAsync(dst, src, nbytes, direction, stream),

@@ -102,6 +102,13 @@ def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
                       f"{room} ({os.strerror(err)})")
 
 
+def set_storage(tensor: torch.Tensor, storage: torch.UntypedStorage, offset: int,
+                size: torch.Size) -> torch.Tensor:
+    """``tensor.set_(storage, offset, size)``: ``tensor`` over ``storage`` (contiguous)."""
+    # torch's stub makes the stride required; the op defaults it (contiguous)
+    return tensor.set_(storage, offset, size)  # type: ignore[call-overload]
+
+
 @dataclass(eq=False)
 class Lease:
     """``nbytes`` of an arena at ``offset``, with ``capacity`` (a multiple of 4 KiB) reserved."""

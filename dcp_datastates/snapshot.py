@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import ctypes
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -27,7 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .cuda_copy import Copy, CudaCopier, IssuedCopies
 from .file_format import ItemSpec, Placement, place_tensors
-from .host_cache import Lease
+from .host_cache import Lease, set_storage
 
 #: CPU tensors smaller than this are copied with one ``memmove`` (less overhead than torch).
 MEMMOVE_BYTES = 1 << 20
@@ -211,7 +212,7 @@ def copy_into(
     offsets: list[int],
     cuda: CudaCopier | None,
     ready: dict[int, object] | None,
-    own_storage: set[int] = frozenset(),
+    own_storage: AbstractSet[int] = frozenset(),
     issued: Callable[[dict[int, object] | None], None] | None = None,
 ) -> tuple[list[torch.Tensor], int, float | None]:
     """:func:`issue_into` and wait for the copies: the copies, the bytes that did not fit and
@@ -233,7 +234,7 @@ def issue_into(
     offsets: list[int],
     cuda: CudaCopier | None,
     ready: dict[int, object] | None,
-    own_storage: set[int] = frozenset(),
+    own_storage: AbstractSet[int] = frozenset(),
     issued: Callable[[dict[int, object] | None], None] | None = None, hashed: bool = True,
 ) -> tuple[list[torch.Tensor], int, IssuedCopies | None]:
     """Copy ``sources`` into ``lease`` at ``offsets`` (GPU ones: issued); return the copies,
@@ -258,11 +259,13 @@ def issue_into(
             elif n:
                 dst.copy_(src)
             continue
+        assert base is not None  # the lease's storage (lease is not None here)
         if i in own_storage:
-            dst = torch.empty(0, dtype=src.dtype).set_(base[offset : offset + n], 0, src.shape)
+            dst = set_storage(torch.empty(0, dtype=src.dtype), base[offset : offset + n], 0,
+                              src.shape)
         else:
-            dst = torch.empty(0, dtype=src.dtype).set_(base, offset // src.element_size(),
-                                                       src.shape)
+            dst = set_storage(torch.empty(0, dtype=src.dtype), base,
+                              offset // src.element_size(), src.shape)
         staged.append(dst)
         filled.append((offset, n))
         addr = lease.addr + offset
@@ -274,9 +277,12 @@ def issue_into(
             dst.copy_(src)
     if lease is not None:
         _zero_gaps(lease, filled)
-    return staged, overflow, (cuda.issue(list(gpu.values()), "d2h", after=ready, issued=issued,
-                                         checksums=list(gpu) if hashed else None)
-                              if gpu else None)
+    copies = None
+    if gpu:
+        assert cuda is not None  # gpu holds only copies made with cuda
+        copies = cuda.issue(list(gpu.values()), "d2h", after=ready, issued=issued,
+                            checksums=list(gpu) if hashed else None)
+    return staged, overflow, copies
 
 
 def _zero_gaps(lease: Lease, filled: list[tuple[int, int]]) -> None:
