@@ -117,11 +117,13 @@ class Account:
         return self.expected is None or self.credit >= self.expected
 
     def why_not(self) -> str:
-        short = (self.expected - self.credit) / self.fraction
+        expected = self.expected
+        assert expected is not None  # asked only where affords() is False
+        short = (expected - self.credit) / self.fraction
         owed = (f" (the account owes {-self.credit:.3f} s: slowdowns charged to earlier saves)"
                 if self.credit < 0 else "")
-        return (f"budget: a save costs the training thread about {self.expected:.3f} s, which "
-                f"max_overhead={self.fraction:g} earns in {self.expected / self.fraction:.2f} s "
+        return (f"budget: a save costs the training thread about {expected:.3f} s, which "
+                f"max_overhead={self.fraction:g} earns in {expected / self.fraction:.2f} s "
                 f"of training{owed}; {short:.2f} s more are needed")
 
 
@@ -209,7 +211,7 @@ class Drag:
             return 0.0
         extra = min(training_s - self.baseline(), ran_s)
         for handle in handles:
-            handle.figures.cost_s += extra / len(handles)
+            handle.figures.cost_s = _cost(handle) + extra / len(handles)
         return extra
 
 
@@ -257,6 +259,7 @@ class Budget:
                      "row are not logged", step, reason)
             self._skipping = True
         if slot is not None:
+            assert slots is not None  # a slot comes from slots
             slots.settle(slot, slot.home, committed=False)  # free again
         handle = skipped_handle(step, reason)
         self.history.append(handle.figures)
@@ -298,10 +301,10 @@ class Budget:
         handle = self._open
         if handle is not None and (handle.staged.done() or (
                 handle.copies_issued is not None and handle.copies_issued())):
-            self.account.guess(handle.figures.cost_s)
+            self.account.guess(_cost(handle))
             self._open = None
         for handle in self.drag.over(now):
-            handle.figures.cost_s = max(0.0, handle.figures.cost_s)  # a net gain is no cost
+            handle.figures.cost_s = max(0.0, _cost(handle))  # a net gain is no cost
             self.account.settle(handle.figures.cost_s)
 
     def _end_call(self, open_figures: bool) -> None:
@@ -313,4 +316,11 @@ class Budget:
         """Spend ``cost_s``; with ``open_figures``, it is the open save's cost too."""
         self.account.spend(cost_s)
         if open_figures and self._open is not None:
-            self._open.figures.cost_s += cost_s
+            self._open.figures.cost_s = _cost(self._open) + cost_s
+
+
+def _cost(handle: SaveHandle) -> float:
+    """The cost so far of a save the budget tracks (:meth:`Budget.taken` set it to 0.0)."""
+    cost = handle.figures.cost_s
+    assert cost is not None, "a save the budget tracks has a cost"
+    return cost

@@ -47,11 +47,21 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from ..align import ALIGN, round_up
 from ..directory import new_token
 from ..host_cache import Arena, Lease
 from .slot_pinning import Background
+
+
+class FileMapper(Protocol):
+    """What the slots need of the engine (:class:`dcp_datastates.engine.Engine`): arenas over
+    their files."""
+
+    def map_file(self, fd: int, nbytes: int, name: str, *, pin: bool = True) -> Arena: ...
+    def pin_file(self, arena: Arena) -> None: ...
+    def unmap_file(self, arena: Arena) -> None: ...
 
 log = logging.getLogger("dcp_datastates")
 
@@ -136,6 +146,7 @@ class Slot:
         sized first, on the caller's thread: the engine's staging thread). None if busy."""
         self.pool.saw(total, entries)
         self.fit(total, entries)
+        assert self.arena is not None  # fit() maps the slot or raises
         return self.arena.pool.try_allocate_at(self.room, total)
 
     def need_room(self, header_len: int) -> None:
@@ -200,10 +211,15 @@ class NextSlot:
         return self.slot.lease(total, entries)
 
     def need_room(self, header_len: int) -> None:
-        self.slot.need_room(header_len)
+        self._given().need_room(header_len)
 
     def adopt(self, path: Path) -> Path:
-        return self.slot.adopt(path)
+        return self._given().adopt(path)
+
+    def _given(self) -> Slot:
+        if self.slot is None:
+            raise RuntimeError(f"no memory-tier slot of {self.pool.directory} was given")
+        return self.slot
 
 
 class SlotPool:
@@ -211,7 +227,7 @@ class SlotPool:
     saves take them (:data:`SPARE` ahead); free ones are sized (after :meth:`prepare`) and
     pinned by a thread of the pool's, one at a time."""
 
-    def __init__(self, engine: object, memory: Path, limit: int) -> None:
+    def __init__(self, engine: FileMapper, memory: Path, limit: int) -> None:
         self.engine = engine
         self.directory = memory / f"{SLOT_DIR_PREFIX}{os.getpid()}.{new_token()}"
         self.limit = limit
@@ -312,6 +328,7 @@ class SlotPool:
         if due or short:
             self._thread.wake()  # to ready the spares their slots made, or the slot on its way
         for waiting in due:
+            assert waiting.queue is not None  # due holds saves with a queue (never unset)
             waiting.queue()
 
     def _take(self, spare: bool = True) -> Slot | None:
@@ -420,6 +437,8 @@ class SlotPool:
     def _pin(self, slot: Slot, start: float, sized: float) -> None:
         """Pin ``slot`` (sized from ``start`` to ``sized``); once that fails, no more."""
         try:
+            if slot.arena is None:
+                raise RuntimeError("the slot is not mapped")
             self.engine.pin_file(slot.arena)
             slot.pinned = True
             log.info("dcp_datastates: %s ready: sized in %.2f s, pinned in %.2f s", slot,
