@@ -273,6 +273,7 @@ class Arenas:
                 current = self._snapshot
                 size, why = snapshot_size(self.fixed_size, nbytes, current)
                 if size is None:
+                    assert current is not None  # snapshot_size keeps only an arena there is
                     return current
             arena = self.pins.make(size, "snapshot")
             with self._lock:

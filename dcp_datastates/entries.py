@@ -4,6 +4,7 @@ and the checks of ``.metadata``'s items and their locations."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar, overload
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -52,7 +53,8 @@ def stored_spec(metadata: Metadata, index: MetadataIndex, loc: ItemLocation, ten
     if shape is None:
         raise CheckpointCorruptError(f"{what}: no stored chunk at offsets {index.offset}")
     dtype = md.properties.dtype
-    if bounded_numel(shape, MAX_ELEMENTS) * dtype.itemsize != loc.length:
+    numel = bounded_numel(shape, MAX_ELEMENTS)
+    if numel is None or numel * dtype.itemsize != loc.length:
         raise CheckpointCorruptError(
             f"{what}: {loc.length} bytes stored for a {dtype} chunk of shape {list(shape)}")
     return ItemSpec(name, dtype, shape, loc.length)
@@ -141,6 +143,14 @@ def _sizes(values: tuple, ndim: int | None, path: Path, what: str, name: str) ->
     return values
 
 
+_T = TypeVar("_T")
+
+
+@overload
+def _field(obj: object, name: str, kind: type[_T], path: Path, what: str = "") -> _T: ...
+@overload
+def _field(obj: object, name: str, kind: tuple[type, ...], path: Path,
+           what: str = "") -> object: ...
 def _field(obj: object, name: str, kind: type | tuple[type, ...], path: Path,
            what: str = "") -> object:
     """``obj.name``, which must be a ``kind`` (``what``: how errors name ``obj``)."""
@@ -218,6 +228,7 @@ def _check_location(path: Path, key: _Key, loc: object, expected: set[_Key]) -> 
             f"{path}: item {fqn!r} has an invalid location (file {brief(file, 100)}, "
             f"offset {brief(offset)}, length {brief(length)}, block {brief(block)})")
     checksums = getattr(loc, "checksums", None)
+    assert isinstance(length, int) and isinstance(block, int)  # numbers_ok checked them
     need = max(1, -(-length // block))
     if (
         not isinstance(checksums, (tuple, list))

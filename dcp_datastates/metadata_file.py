@@ -114,8 +114,9 @@ class _WrongReader(Metadata):
     def __init__(self) -> None:
         pass  # storage_meta and version keep their class defaults; the reader may set them
 
+    # a read-only property over Metadata's field, deliberately: the reader must not get items
     @property
-    def state_dict_metadata(self) -> NoReturn:
+    def state_dict_metadata(self) -> NoReturn:  # type: ignore[override]
         raise CheckpointError(WRONG_READER)
 
     storage_data = planner_data = state_dict_metadata
@@ -149,7 +150,8 @@ class _NewerTensorProperties(TensorProperties):
     a newer torch loads with this one. The object becomes a plain ``TensorProperties``."""
 
     def __setstate__(self, state: tuple) -> None:
-        self.__class__ = TensorProperties
+        plain: TensorProperties = self
+        plain.__class__ = TensorProperties
         self.__setstate__(tuple(state)[:_PROPERTIES_FIELDS])
 
 
@@ -292,7 +294,7 @@ def read_metadata(directory: Path, *, filesystem_writer: bool = False) -> Metada
         with open(fd, "rb") as f:
             data = f.read()
         if data[:2] == b"PK":  # written by torch.save (dcp_datastates 0.1.0)
-            with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            with torch.serialization.safe_globals([*_SAFE_GLOBALS]):
                 metadata = torch.load(io.BytesIO(data), weights_only=True)
         else:
             metadata = _unpickle(_unsealed(data, path))

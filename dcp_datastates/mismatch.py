@@ -37,8 +37,8 @@ def check_state_matches(state: Mapping[str, object], metadata: Metadata,
             if strict:
                 differ.append(f"{fqn!r}: not in the checkpoint (the state dict expects "
                               f"{_expected(value)})")
-        elif (isinstance(held, TensorStorageMetadata) and getattr(value, "size", None) is not None
-              and held.size != value.size()):
+        elif (isinstance(held, TensorStorageMetadata)
+              and (size := getattr(value, "size", None)) is not None and held.size != size()):
             differ.append(f"{fqn!r}: the checkpoint holds {_held(held)}, the state dict expects "
                           f"{_expected(value)}")
     if not differ:
