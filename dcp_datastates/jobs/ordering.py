@@ -113,7 +113,8 @@ class Caller:
             return True
         if self.code is None:
             return False
-        frame = sys._current_frames().get(self.thread.ident)
+        ident = self.thread.ident  # set: the thread is alive
+        frame = sys._current_frames().get(ident) if ident is not None else None
         while frame is not None:
             if id(frame) == self.frame_id and frame.f_code is self.code:
                 return False

@@ -46,7 +46,7 @@ from .replicator import Replicator
 from .reports import Reports
 from .restore import Restorer, held, pick
 from .retention import ABANDONED, Retention
-from .slots import SlotPool
+from .slots import NextSlot, SlotPool
 from .steps import remove_dead_unfinished
 from .unclosed import Unclosed
 
@@ -157,11 +157,13 @@ class CheckpointManager:
             self._replicator, self._engine_now, self.history)
         self._restorer = Restorer(self.memory, self.durable, self.replicate, self._ranks,
                                   self._engine_now)
-        self._persister = None if self.persist_policy is None else Persister(
-            self.persist_policy, self.durable, self._retention,
-            keep=(self.keep_memory, self.keep_durable), ranks=self._ranks,
-            engine=self._engine_now, after=self._after.submit, history=self.history,
-            errors=self._reports)
+        self._persister: Persister | None = None
+        if self.persist_policy is not None and self.durable is not None:  # set together
+            self._persister = Persister(
+                self.persist_policy, self.durable, self._retention,
+                keep=(self.keep_memory, self.keep_durable), ranks=self._ranks,
+                engine=self._engine_now, after=self._after.submit, history=self.history,
+                errors=self._reports)
 
     @property
     def engine(self) -> Engine:
@@ -198,6 +200,7 @@ class CheckpointManager:
         slot = (slots.take(later=budget is None, spare=budget is None) if slots is not None
                 else None)
         if budget is not None:
+            assert not isinstance(slot, NextSlot)  # take(later=False) under a budget
             skipped = budget.decide(step, slots, slot)
             if skipped is not None:
                 return skipped

@@ -78,18 +78,18 @@ class ReusingPlanner(DefaultSavePlanner):
         key = None if key is None else (is_coordinator, *key)
         self._hit = key is not None and key == self._key
         if self._hit:  # this save's key and flattening: garbage now, not at the save's end
-            key, self.mappings = None, self._kept[0].planner_data
+            key, self.mappings = None, self._kept_plans()[0].planner_data
         self._new_key = key
 
     def create_local_plan(self) -> SavePlan:
         if not self._hit:
             return super().create_local_plan()
-        self.plan = self._kept[0]
+        self.plan = self._kept_plans()[0]
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if self._hit:
-            _local, self.global_plan, metadata = self._kept
+            _local, self.global_plan, metadata = self._kept_plans()
             self.reused += 1
         else:
             self.global_plan, metadata = super().create_global_plan(all_plans)
@@ -101,7 +101,13 @@ class ReusingPlanner(DefaultSavePlanner):
         self.metadata = dataclasses.replace(metadata)
         return self.global_plan, self.metadata
 
+    def _kept_plans(self) -> tuple[SavePlan, list[SavePlan], Metadata]:
+        """The plans kept for the structure of the save being planned (where it is a hit)."""
+        assert self._kept is not None  # a hit means a key, kept with its plans
+        return self._kept
+
     def release(self) -> None:
         """Forget the state of the save that ended (its tensors and their flattening)."""
-        self.state_dict, self.mappings, self.metadata = {}, {}, None
+        # DefaultSavePlanner's metadata is unset until a plan; None marks it released
+        self.state_dict, self.mappings, self.metadata = {}, {}, None  # type: ignore[assignment]
         self._new_key, self._hit = None, False

@@ -56,9 +56,12 @@ class Exchange:
 
     def send(self, directory: Path | None, dst: int) -> None:
         """Post the sends of ``directory`` (None: an empty message) to global rank ``dst``."""
+        names: list[str] = []
+        sizes: list[int] = []
         try:
-            names = _files(directory) if directory is not None else []
-            sizes = [os.stat(directory / n).st_size for n in names]
+            if directory is not None:
+                names = _files(directory)
+                sizes = [os.stat(directory / n).st_size for n in names]
         except (OSError, ValueError) as exc:  # gone, or not committed: the peer still expects
             log.warning("dcp_datastates: %s cannot be sent to rank %d (%s); sending nothing",
                         directory, dst, exc)
@@ -69,10 +72,14 @@ class Exchange:
         self._post(manifest, dst)
         for name, size in zip(names, sizes, strict=True):
             if size:
+                assert directory is not None  # there are names only with a directory
                 self._post(_as_tensor(directory / name, size), dst)
 
     def _post(self, tensor: torch.Tensor, dst: int) -> None:
-        self._pending.append((dist.isend(tensor, dst, group=self.group), tensor))
+        work = dist.isend(tensor, dst, group=self.group)
+        if work is None:  # only where this rank is not in the group
+            raise RuntimeError(f"this rank is not in the replication group of rank {dst}")
+        self._pending.append((work, tensor))
 
     def receive(self, src: int, directory: Path) -> bool:
         """Receive a step from global rank ``src`` into ``directory`` (replacing what is there);

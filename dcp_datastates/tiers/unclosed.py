@@ -66,8 +66,8 @@ class Unclosed:
     def _warn_unpersisted(self) -> None:
         manager = self.manager
         memory = committed_steps(manager.memory)
-        if manager.persist_policy is None or not memory:
-            return
+        if manager.persist_policy is None or manager.durable is None or not memory:
+            return  # (persist_policy is None where durable is)
         durable = committed_steps(manager.durable)
         if durable and durable[-1] >= memory[-1]:
             return
