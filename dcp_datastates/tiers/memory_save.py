@@ -158,6 +158,7 @@ class MemorySaver:
         exchange (on the replicator's thread)."""
         ok = handle.committed.exception() is None
         if slot is not None:
+            assert self.slots is not None  # a slot comes from slots
             self.slots.settle(slot, step_dir(self.memory, handle.step), ok)
         if ok:
             handle.figures.memory_s = time.perf_counter() - start

@@ -208,6 +208,7 @@ def persist_job(engine: Engine, memory: list[Path], durable: Path, step: int | N
             if why:
                 return Outcome(step, step_dir(durable, step) if step is not None else None,
                                reason=why, notes=notes)
+            assert step is not None  # _newest gives no step only with a reason
         target = step_dir(durable, step)
         if committed(target):
             return Outcome(step, target, notes=notes,

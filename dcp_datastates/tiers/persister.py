@@ -58,7 +58,8 @@ class Persister:
         """Persist the save of ``handle`` if it is due and every rank is idle (collective)."""
         self._saves += 1
         policy = self.policy
-        due = self._owed or policy == "idle" or self._saves % policy == 0
+        due = self._owed or policy == "idle" or (
+            isinstance(policy, int) and self._saves % policy == 0)
         if not due:
             return
         idle = self._persisting is None or self._persisting.done()
@@ -92,8 +93,8 @@ class Persister:
         if self._persisting is not None:
             self._persisting.exception()
         leftover, self._leftover = self._leftover, None
-        if leftover is not None and leftover.exception() is not None:
-            self.errors.append(leftover.exception())
+        if leftover is not None and (exc := leftover.exception()) is not None:
+            self.errors.append(exc)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -132,6 +133,7 @@ class Persister:
                         offered.enter_context(self.retention.reading(s))
                 mine = [s for s in committed_steps(self.memory)
                         if s > after and complete(step_dir(self.memory, s))]
+            assert self.chain is not None  # persist="idle": the chain is what asks
             views = self.chain.gather(mine if ok else None)
             common = (set.intersection(*(set(v) for v in views))
                       if all(v is not None for v in views) else set())

@@ -48,9 +48,10 @@ def _as_tensor(path: Path, nbytes: int) -> torch.Tensor:
 
 
 class Exchange:
-    """Sends and receives of step directories between ranks of ``group``, posted together."""
+    """Sends and receives of step directories between ranks of ``group`` (None: the default
+    group), posted together."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
@@ -129,7 +130,7 @@ def replicate_step(group: dist.ProcessGroup, rank: int, world: int, memory_root:
     return target if got else None
 
 
-def restore(group: dist.ProcessGroup, rank: int, moves: list[tuple[int, int]],
+def restore(group: dist.ProcessGroup | None, rank: int, moves: list[tuple[int, int]],
             memory_root: Path, step: int) -> bool:
     """Carry out ``moves`` ((holder, owner) pairs, the same list on every rank): holders send
     their replica of the owner's ``step`` back, owners receive it into their own tier.

@@ -165,20 +165,21 @@ class Retention:
             for s in steps(root):
                 if which(s):
                     self.drop(root, s)
-        moving = [s for s in steps(self.durable) if which(s)] if self.durable else []
-        if moving and self.ranks.rank == 0:
-            aside = _new_aside(self.durable / ABANDONED)
+        durable = self.durable
+        moving = [s for s in steps(durable) if which(s)] if durable else []
+        if durable is not None and moving and self.ranks.rank == 0:  # (moving: a durable)
+            aside = _new_aside(durable / ABANDONED)
             for s in moving:
-                os.rename(step_dir(self.durable, s), aside / step_dir(self.durable, s).name)
+                os.rename(step_dir(durable, s), aside / step_dir(durable, s).name)
             log.warning("dcp_datastates: %s: the durable steps %s were moved to %s", why,
                         moving, aside)
-            self._prune_aside()
+            self._prune_aside(durable)
         self.ranks.barrier()  # no rank persists into a step being moved
 
-    def _prune_aside(self) -> None:
+    def _prune_aside(self, durable: Path) -> None:
         """Keep the newest ``keep_aside`` sets of ``durable/.abandoned`` (removed oldest first,
         each step's ``.metadata`` first; logged)."""
-        root = self.durable / ABANDONED
+        root = durable / ABANDONED
         if self.keep_aside is None:
             return
         sets = sorted((p for p in root.iterdir() if p.is_dir() and not p.is_symlink()),
