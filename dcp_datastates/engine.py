@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
@@ -75,9 +75,6 @@ class Saves(Work, Protocol):
 
     def memory_given_up(self) -> bool:
         """Whether a wait for cache memory should stop: only untaken snapshots hold it."""
-
-
-S = TypeVar("S", bound=Saves)
 
 
 class Engine:
@@ -238,7 +235,7 @@ class Engine:
         self._arenas.free_retired()
 
     # -- work the engine waits for at close ------------------------------------------------------
-    def attach_saves(self, make: Callable[[Engine], S]) -> S:
+    def attach_saves(self, make: Callable[[Engine], Saves]) -> Saves:
         """The engine's save order, ``make(self)`` at the first call (``jobs/ordering.py``)."""
         with self._lock:
             self.check_open()
@@ -383,7 +380,8 @@ def _hook_exit(engine: Engine) -> list[Engine]:
     returned holds the engine until ``close()`` empties it."""
     hook = [engine]
     with contextlib.suppress(RuntimeError):  # made while exiting: no hook any more
-        threading._register_atexit(_close_at_exit, hook, os.getpid())
+        # private CPython hook, not in typeshed
+        threading._register_atexit(_close_at_exit, hook, os.getpid())  # type: ignore[attr-defined]
     return hook
 
 

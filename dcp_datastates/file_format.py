@@ -123,7 +123,8 @@ def place(items: list[ItemSpec]) -> list[Placement]:
     return placements + place_bytes([i for i in items if i.dtype is None], end)
 
 
-def _itemsize(spec: ItemSpec) -> int:
+def itemsize_of(spec: ItemSpec) -> int:
+    """A tensor item's element size (TypeError for a bytes item)."""
     if spec.dtype is None:
         raise TypeError(f"{spec.name} is a bytes item, not a tensor")
     return spec.dtype.itemsize
@@ -135,7 +136,7 @@ def place_tensors(tensors: list[ItemSpec]) -> list[Placement]:
     in the order given, each 4 KiB aligned; then small ones packed by element size."""
     large = [i for i in tensors if i.nbytes >= LARGE_ITEM_BYTES]
     small = sorted(  # by element size, largest first: each stays naturally aligned
-        (i for i in tensors if i.nbytes < LARGE_ITEM_BYTES), key=lambda i: -_itemsize(i)
+        (i for i in tensors if i.nbytes < LARGE_ITEM_BYTES), key=lambda i: -itemsize_of(i)
     )
     placements: list[Placement] = []
     cursor = 0

@@ -152,10 +152,10 @@ def _check(addr: int, spans: list[_Span], what: str) -> None:
 def _settle(checks: list[Future]) -> None:
     """Wait for the checks; raise the first that failed (the others are not needed then)."""
     for f in checks:
-        if f.exception() is not None:
+        if (exc := f.exception()) is not None:
             for other in checks:
                 other.cancel()
-            raise f.exception()
+            raise exc
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
     tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
     raw_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
     serialized = [job.engine.compute(_serialize, planner, i) for i in raw_items]
-    tensors = [planner.resolve_data(i).detach() for i in tensor_items]
+    tensors = [_resolve_tensor(planner, i) for i in tensor_items]
     specs = [ItemSpec(entry_name(i.index), t.dtype, tuple(t.shape), nbytes_of(t))
              for i, t in zip(tensor_items, tensors, strict=True)]
     placed, in_place = _tensor_placements(job.snapshot, tensors, specs)
@@ -60,8 +60,9 @@ def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
     where = {p.spec.name: draft.data_start + p.begin for p in placed if p.spec is not None}
     offsets = [where[s.name] for s in specs]
     tensors = _host_copies(job, tensors, [o - draft.data_start for o in offsets])
-    path = job.directory / name
+    path = job.checkpoint_directory() / name
     if in_place:
+        assert job.target is not None  # in place: the snapshot lies in the target
         path = job.target.adopt(path)
     file = DataFile(path, direct_io, job.engine.io, job.engine.bounce.pool,
                     job.engine.submit, create=not in_place)
@@ -76,6 +77,15 @@ def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
     ]
 
 
+def _resolve_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """The tensor of a tensor item (detached)."""
+    data = planner.resolve_data(item)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"the planner resolved tensor item {item.index} to a "
+                        f"{type(data).__name__}")
+    return data.detach()
+
+
 def _tensor_placements(snapshot: Snapshot | None, tensors: list[torch.Tensor],
                        specs: list[ItemSpec]) -> tuple[list[Placement], bool]:
     """Where the file puts each tensor: the snapshot's placements when the tensors are its
@@ -84,6 +94,7 @@ def _tensor_placements(snapshot: Snapshot | None, tensors: list[torch.Tensor],
     order = _sources_of(snapshot, tensors, specs)
     if order is None:
         return place_tensors(specs), False
+    assert snapshot is not None  # _sources_of gives an order only for a snapshot
     spec_of = {k: specs[i] for i, k in enumerate(order)}
     placed = [Placement(spec_of[int(p.spec.name)] if p.spec is not None else None,
                         p.begin, p.nbytes) for p in snapshot.placements]
@@ -119,6 +130,9 @@ def _draft(job: SaveJob, placed: list[Placement], raw_names: list[str],
     draft = file_layout(placed + place_bytes(raw, end))
     if not in_place:
         return draft, False
+    # in place: the snapshot lies in a lease of the target
+    assert job.snapshot is not None and job.snapshot.lease is not None
+    assert job.target is not None
     data_start = job.snapshot.lease.offset
     if draft.data_start <= data_start:
         return file_layout(draft.placements, header_len=data_start), True
@@ -132,7 +146,7 @@ def _draft(job: SaveJob, placed: list[Placement], raw_names: list[str],
 def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placement],
            tensors: list[torch.Tensor], offsets: list[int], raw_names: list[str],
            serialized: list[Future], in_place: bool,
-           ) -> tuple[FileLayout, list[int], list[int], list[list[int]]]:
+           ) -> tuple[FileLayout, list[int], list[int], list[tuple[int, list[int]]]]:
     """Write the tensors (unless in place), the bytes items and the header; return the final
     layout, the bytes items' offsets, every item's size and (block, checksums)."""
     sums = _Sums()
@@ -184,8 +198,10 @@ def _made_on_gpu(snapshot: Snapshot | None, tensors: list[torch.Tensor]
     made: list[list[int] | None] = []
     for t in tensors:
         k = snapshot.copies.get(t.data_ptr())
-        whole = k is not None and sizes.get(k) == nbytes_of(t) and t.is_contiguous()
-        made.append(snapshot.sums.get(k) if whole else None)
+        if k is not None and sizes.get(k) == nbytes_of(t) and t.is_contiguous():  # whole
+            made.append(snapshot.sums.get(k))
+        else:
+            made.append(None)
     return made
 
 
@@ -216,7 +232,7 @@ def _host_copies(job: SaveJob, tensors: list[torch.Tensor],
     try:
         copies, _, _ = copy_into(lease, sources, [offsets[k] - shift for k in gpu], cuda, ready)
     finally:
-        if ready is not None:
+        if cuda is not None and ready is not None:  # (ready: made by cuda)
             cuda.destroy_events(ready)
     for k, c in zip(gpu, copies, strict=True):
         out[k] = c
@@ -233,7 +249,9 @@ def _address(data: bytes | memoryview) -> tuple[int, int]:
     if not len(data):
         return 0, 0
     if isinstance(data, bytes):
-        return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value, len(data)
+        addr = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+        assert addr is not None  # a non-empty buffer's
+        return addr, len(data)
     return ctypes.addressof(ctypes.c_char.from_buffer(data)), len(data)
 
 

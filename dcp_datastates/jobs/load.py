@@ -8,6 +8,7 @@ copied out. Every byte is checked against ``.metadata``'s checksums unless turne
 
 from __future__ import annotations
 
+import enum
 import io
 import math
 import os
@@ -17,11 +18,11 @@ from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from ..align import ALIGN, round_up
 from ..checksums import memory_at, verify_span
@@ -43,8 +44,14 @@ SMALL_ITEM_BYTES = 1 << 20
 GROUP_BYTES, GROUP_GAP = 16 << 20, 64 << 10
 
 _Read = tuple[ReadItem, "torch.Tensor | None", "bytes | None"]
-#: A read that failed and went to ``LoadJob``'s ``damaged``.
-_DAMAGED = object()
+
+
+class _Damaged(enum.Enum):
+    DAMAGED = "damaged"
+
+
+#: A read that failed and went to ``LoadJob``'s ``damaged`` (an enum member: reads narrow).
+_DAMAGED: Final = _Damaged.DAMAGED
 
 
 @dataclass
@@ -55,6 +62,15 @@ class _Small:
     loc: ItemLocation
     target: torch.Tensor | None
     spec: ItemSpec
+
+
+class ItemSink(Protocol):
+    """What a load job hands the items it reads to: the part of DCP's ``LoadPlanner`` it uses
+    (the CLI's readers give their own)."""
+
+    def resolve_tensor(self, read_item: ReadItem, /) -> torch.Tensor: ...
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor, /) -> None: ...
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO, /) -> None: ...
 
 
 class LoadJob:
@@ -74,7 +90,7 @@ class LoadJob:
         self.stats = LoadStats(engine.io.name, verified=verify_checksums)
         self._over = threading.Event()  # the reads are over (the engine's close waits)
 
-    def read(self, plan: LoadPlan, planner: LoadPlanner) -> LoadStats:
+    def read(self, plan: LoadPlan, planner: ItemSink) -> LoadStats:
         """Read every item of ``plan`` and hand it to ``planner``; return the figures. The
         engine's ``close()`` waits for the reads (:meth:`wait`)."""
         start = time.perf_counter()
@@ -92,6 +108,7 @@ class LoadJob:
             raise replaced
         for req, target, data in done:
             if target is None:
+                assert data is not None  # a bytes item's read gives its bytes
                 self.stats.bytes_read += len(data)
                 planner.load_bytes(req, io.BytesIO(data))
             else:
@@ -120,12 +137,12 @@ class LoadJob:
         """The engine is closing: nothing to do here. Its I/O threads finish the reads already
         submitted before the bounce buffers are freed, and refuse later ones."""
 
-    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> list[_Read]:
+    def _read_all(self, plan: LoadPlan, planner: ItemSink) -> list[_Read]:
         """Read every item; return (item, target or None for bytes, bytes or None)."""
         files = _OpenFiles(self.directory, self.direct_io)
         backend = self.engine.io
-        large: list[tuple[ReadItem, torch.Tensor | None, Future]] = []
-        groups: list[Future] = []
+        large: list[tuple[ReadItem, torch.Tensor | None, Future[bytes | None]]] = []
+        groups: list[Future[list[_Read]]] = []
         small: dict[str, list[_Small]] = defaultdict(list)
         bounce = self.engine.bounce.pool.capacity  # a group must fit in one bounce lease
         small_max = min(SMALL_ITEM_BYTES, bounce)
@@ -149,12 +166,14 @@ class LoadJob:
             for name, items in small.items():
                 for group in _groups(items, min(GROUP_BYTES, bounce)):
                     groups.append(self.engine.submit(self._read_group, files.get(name), group))
-            done = [(req, target, data) for req, target, f in large  # data: bytes items
-                    if (data := _result(req, f, self.damaged)) is not _DAMAGED]
+            done: list[_Read] = [
+                (req, target, data) for req, target, fut in large  # data: bytes items
+                if (data := _result(req, fut, self.damaged)) is not _DAMAGED]
             return done + [r for g in groups for r in g.result()]
         finally:
-            for f in [*(f for *_, f in large), *groups]:
-                f.exception()  # nothing may still read into memory once this returns
+            pending: list[Future[Any]] = [*(item[2] for item in large), *groups]
+            for fut in pending:
+                fut.exception()  # nothing may still read into memory once this returns
             files.close()
 
     def _read_group(self, f: _File, items: list[_Small]) -> list[_Read]:
@@ -168,10 +187,11 @@ class LoadJob:
             except OSError as exc:
                 raise CheckpointCorruptError(
                     f"checkpoint {self.directory}, file {items[0].loc.file}: {exc}") from exc
-            out = []
+            out: list[_Read] = []
             for item in items:
                 a = item.loc.offset - lo
-                mem = memory_at(lease.addr + a, item.loc.length) if item.loc.length else b""
+                mem = (memory_at(lease.addr + a, item.loc.length) if item.loc.length
+                       else memoryview(b""))
                 if self.verify_checksums and not _verified(
                         item, mem, self._describe(item.loc, item.req), self.damaged):
                     continue
@@ -186,12 +206,13 @@ class LoadJob:
 
     def _fill(self, item: _Small, data: torch.Tensor) -> None:
         """Copy the requested part of a whole stored chunk (``data``, uint8) into the target."""
-        shape, dtype = item.spec.shape, item.spec.dtype
+        shape, dtype, target = item.spec.shape, item.spec.dtype, item.target
+        assert dtype is not None and target is not None  # a tensor chunk's
         view = data.view(dtype).view(shape) if data.numel() else torch.empty(shape, dtype=dtype)
         for dim, (o, n) in enumerate(zip(item.req.storage_offsets, item.req.lengths,
                                          strict=True)):
             view = view.narrow(dim, o, n)
-        item.target.copy_(view)
+        target.copy_(view)
 
     def _checked_spec(self, f: _File, loc: ItemLocation, req: ReadItem) -> ItemSpec:
         """The item as ``.metadata`` describes it, after checking that the data file's header
@@ -253,6 +274,7 @@ class LoadJob:
     def _read_tensor(self, backend: IOBackend, f: _File, loc: ItemLocation, req: ReadItem,
                      target: torch.Tensor, spec: ItemSpec) -> None:
         shape, dtype = spec.shape, spec.dtype
+        assert dtype is not None  # a tensor chunk's
         itemsize = dtype.itemsize
         offsets, lengths = list(req.storage_offsets), list(req.lengths)
         row = math.prod(shape[1:]) * itemsize
@@ -283,6 +305,7 @@ class LoadJob:
         Extents are whole checksum blocks, so each is verified on its own before its copy.
         """
         pool, block, streams = self.engine.bounce.pool, loc.block, self.engine.cuda
+        assert streams is not None  # _read_tensor reads to the GPU only with a copier
         lo, hi = a, b
         if self.verify_checksums:
             lo, hi = a - a % block, min(loc.length, -(-b // block) * block)
@@ -310,12 +333,12 @@ class LoadJob:
         the file's last whole block; what is left (the file's tail) is read buffered.
         """
         start, end = loc.offset + s, loc.offset + s + lease.nbytes
-        body_end = start
-        if f.direct_fd is not None and start % ALIGN == 0:
+        body_end, direct_fd = start, f.direct_fd
+        if direct_fd is not None and start % ALIGN == 0:
             body_end = max(start, min(round_up(end), f.size - f.size % ALIGN))
         try:
-            if body_end > start:
-                backend.read(f.direct_fd, loc.file, [IOReq(lease.addr, body_end - start, start)])
+            if direct_fd is not None and body_end > start:  # (body_end > start: direct I/O)
+                backend.read(direct_fd, loc.file, [IOReq(lease.addr, body_end - start, start)])
             if body_end < end:
                 backend.read(f.fd, loc.file,
                              [IOReq(lease.addr + body_end - start, end - body_end, body_end)])
@@ -325,7 +348,8 @@ class LoadJob:
 
 
 
-def _result(req: ReadItem, future: Future, damaged: list | None) -> object:
+def _result(req: ReadItem, future: Future[bytes | None],
+            damaged: list | None) -> bytes | None | Literal[_Damaged.DAMAGED]:
     """A large item's read's result; ``_DAMAGED`` where it failed and went to ``damaged``."""
     try:
         return future.result()
@@ -336,7 +360,7 @@ def _result(req: ReadItem, future: Future, damaged: list | None) -> object:
         return _DAMAGED
 
 
-def _verified(item: _Small, mem: memoryview | bytes, what: str, damaged: list | None) -> bool:
+def _verified(item: _Small, mem: memoryview, what: str, damaged: list | None) -> bool:
     """Whether a small item's bytes ``mem`` match its checksums; where not, raise, or put
     the item in ``damaged``."""
     try:

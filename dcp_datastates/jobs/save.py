@@ -20,9 +20,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -59,10 +61,8 @@ from .flush import write_data_file
 from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
 from .writes import WriteWatch
 
-try:
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-except ImportError:  # older torch: the version its own writer stamps
-    CURRENT_DCP_VERSION = "1.0.0"
+#: the version DCP's own writer stamps (older torch, without the constant: "1.0.0")
+CURRENT_DCP_VERSION: str = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", "1.0.0")
 
 log = logging.getLogger("dcp_datastates")
 
@@ -74,7 +74,10 @@ def new_save_job(engine: Engine) -> SaveJob:
 
 def save_order(engine: Engine) -> SaveOrder:
     """The save order of ``engine`` (attached at the first call)."""
-    return engine.attach_saves(lambda e: SaveOrder(e, SaveJob))
+    order = engine.attach_saves(lambda e: SaveOrder(e, SaveJob))
+    if not isinstance(order, SaveOrder):  # the only saves attached
+        raise TypeError(f"the engine's saves are a {type(order).__name__}, not a SaveOrder")
+    return order
 
 
 @dataclass
@@ -92,6 +95,7 @@ class _Plan:
     def drop_events(self, cuda: CudaCopier | None) -> None:
         """Destroy the events the copies waited for (once they are issued, or given up)."""
         if self.ready is not None:
+            assert cuda is not None  # the events are the copier's
             cuda.destroy_events(self.ready)
             self.ready = None
 
@@ -234,6 +238,7 @@ class SaveJob:
                 copies: IssuedCopies | None) -> None:
         """On the settle thread: wait for the copies' end, then hand the staged state dict out
         (or, once no copy is left, fail the save)."""
+        error: BaseException | None
         try:
             self.stats.copy_s = copies_done(copies)
             error = self._written(plan)
@@ -311,9 +316,15 @@ class SaveJob:
                 f"before dist.destroy_process_group()")
         self.is_coordinator = is_coordinator
 
+    def checkpoint_directory(self) -> Path:
+        """:attr:`directory`, which the storage writer sets before the save's steps use it."""
+        if self.directory is None:
+            raise RuntimeError(f"save {self.ticket} has no checkpoint directory")
+        return self.directory
+
     def prepare(self, overwrite: bool) -> None:
         """Create the directory; the coordinator claims it and checks for a checkpoint."""
-        directory = self.directory
+        directory = self.checkpoint_directory()
         directory.mkdir(parents=True, exist_ok=True)
         if not self.is_coordinator:
             return
@@ -342,7 +353,7 @@ class SaveJob:
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = storage_meta
         metadata.version = CURRENT_DCP_VERSION
-        commit(self.directory, metadata, self.token)
+        commit(self.checkpoint_directory(), metadata, self.token)
         self.end(None)
 
     def hand_off(self) -> None:
@@ -390,11 +401,11 @@ class SaveJob:
         """Return the leases (copies in flight: :meth:`_settled`, after them) and the claim."""
         with self._lock:
             leases, self.leases = ([], self.leases) if self._in_flight else (self.leases, [])
-            claim, self._claim = (self._claim, None) if claim else (None, self._claim)
+            held, self._claim = (self._claim, None) if claim else (None, self._claim)
         for lease in leases:
             lease.release()
-        if claim is not None:
-            claim.release()
+        if held is not None:
+            held.release()
 
 
 def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
@@ -406,6 +417,7 @@ def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
     if job.engine.aside_fits_on_gpu(sources):
         return False
     ready, start = threading.Event(), time.perf_counter()
+    assert job.target is not None  # asked only for a target that is not ready
     job.target.when_ready(ready.set)
     if not ready.is_set():
         log.info("dcp_datastates: save %d: %s is not ready yet and the GPU has no room to "
@@ -461,7 +473,7 @@ def _staged_for_distributed_save() -> bool:
     whatever becomes of the group."""
     if not _distributed():
         return False
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code is not _ASYNC_SAVE:
         frame = frame.f_back
     if frame is None or frame.f_locals.get("no_dist", False):
