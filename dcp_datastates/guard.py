@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .engine import Engine, current_default
+from .engine import current_default
 from .writer import DataStatesWriter
 
 
+class SnapshotSource(Protocol):
+    """What orders work after the snapshots staged so far: an :class:`Engine` or a
+    ``CheckpointManager``."""
+
+    def order_after_snapshots(self) -> None: ...
+
+
 def guard(optimizer: torch.optim.Optimizer,
-          source: DataStatesWriter | Engine | None = None) -> RemovableHandle:
+          source: DataStatesWriter | SnapshotSource | None = None) -> RemovableHandle:
     """Make ``optimizer.step()`` run after the snapshots staged so far have been copied.
 
     Forward and backward do not change parameters or optimizer state, so a snapshot started by

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..checksums import memory_at
 from ..engine import Engine
 from ..errors import CheckpointCorruptError
-from ..file_format import SAFETENSORS_DTYPES, ItemSpec, export_header
+from ..file_format import SAFETENSORS_DTYPES, ItemSpec, export_header, itemsize_of
 from ..sizes import format_size, parse_size
 from .arguments import add_command, add_quiet, cli_path, command_engine, note
 from .checkpoint import (
@@ -64,12 +64,20 @@ def _read_tensors(src: _Source, names: list[str]) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     reads: list[ReadItem] = []
     for fqn in (src.fqns[name] for name in names):
-        tmd = src.md.state_dict_metadata[fqn]
+        tmd = _tensor_md(src.md, fqn)
         full[fqn] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
         reads += _tensor_reads(src.md, fqn, tmd)
     planner = Planner(lambda item: _narrow(full[item.dest_index.fqn], item), src.progress)
     read(src.engine, src.path, src.md, reads, planner, src.verify)
     return {name: full[src.fqns[name]] for name in names}
+
+
+def _tensor_md(md: Metadata, fqn: str) -> TensorStorageMetadata:
+    """The metadata of tensor ``fqn`` (the items exported are tensors)."""
+    tmd = md.state_dict_metadata[fqn]
+    if not isinstance(tmd, TensorStorageMetadata):
+        raise TypeError(f"{fqn!r} is not a tensor item")
+    return tmd
 
 
 def _tensor_reads(md: Metadata, fqn: str, tmd: TensorStorageMetadata) -> list[ReadItem]:
@@ -93,7 +101,7 @@ def _narrow(t: torch.Tensor, item: ReadItem) -> torch.Tensor:
 def _shard_bytes(src: _Source, shard: list[str]) -> Iterator[bytes | memoryview]:
     """A file's header, then each full tensor, largest elements first (all aligned); tensors
     read a batch at a time."""
-    order = sorted((src.specs[n] for n in shard), key=lambda s: (-s.dtype.itemsize, s.name))
+    order = sorted((src.specs[n] for n in shard), key=lambda s: (-itemsize_of(s), s.name))
     yield export_header(order, {"format": "pt"})
     for batch in batches(((s.name, s.nbytes) for s in order), BATCH_BYTES):
         tensors = _read_tensors(src, batch)
@@ -135,7 +143,7 @@ def _check_chunks(path: Path, md: Metadata, chunks: list[Chunk]) -> None:
         chunk_spec(path, md, c)
         if c.loc.file not in sizes:
             size, problem = file_size(path / c.loc.file)
-            if problem is not None:
+            if problem is not None or size is None:
                 raise CheckpointCorruptError(f"{path}: {where(c)}: the data file {problem}")
             sizes[c.loc.file] = size
         end = c.loc.offset + c.loc.length
@@ -149,7 +157,7 @@ def _specs(md: Metadata, fqns: dict[str, str]) -> dict[str, ItemSpec]:
     """Each exported tensor as its output file holds it."""
     specs = {}
     for name, fqn in fqns.items():
-        t = md.state_dict_metadata[fqn]
+        t = _tensor_md(md, fqn)
         dtype = t.properties.dtype
         specs[name] = ItemSpec(name, dtype, tuple(t.size), math.prod(t.size) * dtype.itemsize)
     return specs

@@ -22,24 +22,24 @@ from .tables import table
 def inspect_data(path: Path) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-able data."""
     md, chunks = load_checkpoint(path)
-    items = []
+    items: list[dict[str, Any]] = []
     per_file: dict[str, int] = defaultdict(int)
     for fqn, smd in sorted(md.state_dict_metadata.items()):
         stored = chunks.get(fqn, [])
         files = sorted({c.file for c in stored})
         for f in files:
             per_file[f] += 1
-        tensor = isinstance(smd, TensorStorageMetadata)
+        tensor = smd if isinstance(smd, TensorStorageMetadata) else None
         items.append({
             "fqn": fqn,
-            "kind": "tensor" if tensor else "bytes",
-            "dtype": dtype_name(smd.properties.dtype) if tensor else None,
-            "shape": list(smd.size) if tensor else None,
+            "kind": "tensor" if tensor is not None else "bytes",
+            "dtype": dtype_name(tensor.properties.dtype) if tensor is not None else None,
+            "shape": list(tensor.size) if tensor is not None else None,
             "chunks": len(stored),
             "bytes": sum(c.loc.length for c in stored),
             "files": files,
         })
-    files_out = []
+    files_out: list[dict[str, Any]] = []
     for name in sorted(per_file):
         size, problem = file_size(path / name)
         files_out.append({"name": name, "size": size, "problem": problem,

@@ -76,7 +76,8 @@ class ChunkCheck:
 
     def _check(self, batch: list[_Read]) -> list[tuple[_Read, str]]:
         """Each damaged read of ``batch`` with the load job's error about it."""
-        found, todo = [], [batch]
+        found: list[tuple[_Read, str]] = []
+        todo = [batch]
         while todo:
             part = todo.pop()
             failed = self._failure(part, found)
@@ -108,9 +109,9 @@ class ChunkCheck:
         except CheckpointError as exc:
             return str(exc)
         of = {id(r.item): r for r in batch}
-        for item, exc in damaged:
+        for item, error in damaged:
             self.progress.update(of[id(item)].nbytes)
-            found.append((of[id(item)], str(exc)))
+            found.append((of[id(item)], str(error)))
         return None
 
     def _targets(self, batch: list[_Read]) -> dict[int, torch.Tensor]:

@@ -226,6 +226,9 @@ def _datastates_save(manager: Any, stock_save: Callable[..., Any], state_dict: d
             state_dict, checkpoint_id=checkpoint_id, storage_writer=ds.writer(),
             process_group=manager.pg, async_checkpointer_type=AsyncCheckpointerType.THREAD,
         )
+        if not isinstance(response, AsyncSaveResponse):  # the writer stages asynchronously
+            raise TypeError(f"dcp.async_save returned a {type(response).__name__}, not an "
+                            "AsyncSaveResponse")
         ds.staging, ds.upload = response.staging_completion, response.upload_completion
         if not ds.overlap:
             response.staging_completion.result()
@@ -247,6 +250,7 @@ def _tier_save(ds: DataStates, state_dict: dict[str, Any], checkpoint_id: str,
     match = TORCHTITAN_STEP.match(Path(checkpoint_id).name)
     if match is None:
         raise ValueError(f"{checkpoint_id}: not a torchtitan step folder (step-<N>)")
+    assert ds.tiers is not None  # dcp_save saves into the tier only where there is one
     handle = ds.tiers.save(int(match.group(1)), state_dict)
     ds.staging, ds.upload = _past_full(handle.staged), _past_full(handle.committed)
     if mode == "disabled":
@@ -406,7 +410,7 @@ class TorchtitanAPI:
         """The method a manager subclass overrides to change ``load``."""
         return "load" if self.legacy else "_load"
 
-    def config_class(self, manager_cls: type) -> type:
+    def config_class(self, manager_cls: type) -> type | None:
         """The config class of ``manager_cls`` (torchtitan's manager or a subclass)."""
         return getattr(manager_cls, "Config", None) or self.config
 
@@ -426,7 +430,8 @@ class TorchtitanAPI:
         """The config among the arguments of a manager's constructor."""
         if self.config_arg in kwargs:
             return kwargs[self.config_arg]
-        bound = inspect.signature(self.manager.__init__).bind_partial(None, *args, **kwargs)
+        manager: Any = self.manager  # torchtitan's class (no stubs)
+        bound = inspect.signature(manager.__init__).bind_partial(None, *args, **kwargs)
         return bound.arguments[self.config_arg]
 
     def containers(self, model_parts: list[Any], lr_lambda: Callable[[int], float],
@@ -481,8 +486,11 @@ def _torchtitan() -> TorchtitanAPI:
 TORCHTITAN = _torchtitan()
 
 if TORCHTITAN.manager is not None:
+    # torchtitan's classes, found at run time (as Any: a base class must be known statically)
+    _Manager: Any = TORCHTITAN.manager
+    _Config: Any = TORCHTITAN.config
 
-    class DataStatesCheckpointManager(TORCHTITAN.manager):
+    class DataStatesCheckpointManager(_Manager):
         """torchtitan's ``CheckpointManager`` saving and loading through dcp_datastates.
 
         ``engine=`` (an argument of ``build``) gives it an engine made elsewhere; otherwise it
@@ -498,7 +506,7 @@ if TORCHTITAN.manager is not None:
         """
 
         @dataclass(kw_only=True, slots=True)
-        class Config(TORCHTITAN.config):
+        class Config(_Config):
             host_cache_size: str | None = None
             """Host memory per rank for snapshots and I/O buffers ("16GiB"; "auto" sizes it from
             the state). None (with io_backend and io_workers None): the process's engine."""
