@@ -89,8 +89,11 @@ test-mpi: native mpi
 test-package: setup
 	PYTHON=$(PYTHON) TORCH="$(TORCH)" BUILD_PYTHON=$(abspath $(PY)) .ci/check_package.sh
 
+## lint: ruff, and mypy over the package ([tool.mypy] in pyproject.toml): a type error fails
+## `make test`
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m mypy dcp_datastates
 
 ## bench: CPU benchmark against DCP's FileSystemWriter/Reader (writes benchmarks/out/)
 bench: native
