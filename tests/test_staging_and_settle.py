@@ -21,6 +21,7 @@ from test_tiers import HoldWrites, make_state
 from dcp_datastates import CheckpointManager, DataStatesWriter, Engine
 from dcp_datastates.cuda_copy import CudaCopier
 from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates.jobs.save import SaveState
 
 pytestmark = MARKS
 MiB = 1 << 20
@@ -90,7 +91,7 @@ def test_a_save_ended_before_its_settle_reports_failed_not_staged(held: HeldSett
     held.gate.set()
     closer.join(TIMEOUT)
     assert not closer.is_alive()
-    assert job.state == "failed" and job.snapshot is None
+    assert job.state is SaveState.FAILED and job.snapshot is None
     assert engine.live_leases() == 0
 
 

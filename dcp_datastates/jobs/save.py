@@ -10,6 +10,7 @@ one is judged in one place: ``jobs/ordering.py``. The flush is ``jobs/flush.py``
 
 from __future__ import annotations
 
+import enum
 import inspect
 import logging
 import sys
@@ -100,6 +101,18 @@ class _Plan:
             self.ready = None
 
 
+class SaveState(enum.Enum):
+    """Where a :class:`SaveJob` is (its other flags say what it still holds)."""
+
+    PLANNED = "planned"  # made; DCP plans the save
+    STAGING = "staging"  # the snapshot's copies are being issued
+    STAGED = "staged"  # the snapshot is in host memory, handed out to DCP
+    FLUSHING = "flushing"  # this rank's data file is being written
+    HANDED_OFF = "handed_off"  # DCP's checkpointer process took the snapshot (a copy)
+    COMMITTED = "committed"  # this rank's part is over
+    FAILED = "failed"
+
+
 class SaveJob:
     """One rank's part of one save. Made by :func:`new_save_job`."""
 
@@ -107,7 +120,7 @@ class SaveJob:
         self.engine = engine
         self.order = order
         self.ticket = ticket
-        self.state = "planned"
+        self.state = SaveState.PLANNED
         self.stats = SaveStats(backend=engine.io.name)
         self.tie = Tie()  # how DCP holds this save (judged by the save order)
         self.copied = CopyFence()  # the sources are copied (or queued behind): may change
@@ -149,7 +162,7 @@ class SaveJob:
             cuda = self.engine.cuda
             ready = cuda.record_current(devices) if devices and cuda is not None else None
             self.engine.order_optimizer_steps()
-            self.state = "staging"
+            self.state = SaveState.STAGING
             self.stats.blocking_s = time.perf_counter() - self.stats.start
             self.engine.threads.stage.submit(self._stage, skeleton, sources, set(dtensors),
                                              ready)
@@ -253,7 +266,7 @@ class SaveJob:
             return self.end(error)
         if self._ended:  # closed or discarded meanwhile: nothing to hand out
             return None
-        self.snapshot, self.state = snapshot, "staged"
+        self.snapshot, self.state = snapshot, SaveState.STAGED
         _note_staged(self.stats, staged, snapshot.overflow, self.ticket)
         self.tie.deliver(state)
         self.copied.set()  # after the staged future: a guard that waited finds it done
@@ -338,7 +351,7 @@ class SaveJob:
     def flush(self, plan: SavePlan, planner: SavePlanner,
               direct_io: bool | None) -> list[WriteResult]:
         """Write this rank's data file; return DCP's write results."""
-        self.state = "flushing"
+        self.state = SaveState.FLUSHING
         try:
             results = write_data_file(self, plan, planner, direct_io)
         finally:
@@ -359,7 +372,7 @@ class SaveJob:
     def hand_off(self) -> None:
         """DCP's PROCESS checkpointer pickled (copied) the snapshot: the rest is its process's."""
         self.tie.caller = Caller.here()
-        self.state = "handed_off"
+        self.state = SaveState.HANDED_OFF
         self.end(None)
 
     # -- the end --------------------------------------------------------------------------------
@@ -370,8 +383,8 @@ class SaveJob:
                 return
             self._ended = True
             self._release()
-        if self.state != "handed_off":
-            self.state = "failed" if error is not None else "committed"
+        if self.state is not SaveState.HANDED_OFF:
+            self.state = SaveState.FAILED if error is not None else SaveState.COMMITTED
         if error is None:
             self.stats.durable_s = time.perf_counter() - self.stats.start
             if self.stats.bytes_written:
