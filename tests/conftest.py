@@ -323,3 +323,22 @@ def run_then_kill(argv: list[str], marker: str, err: Path, root: Path) -> None:
             child.kill()
             child.wait()
         child.stdout.close()
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(size: str, prefix: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's ``size=``, e.g. "2m") on a new directory, unmounted and
+    removed after; skips the test where mounting is not permitted (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = Path(tempfile.mkdtemp(prefix=prefix))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        mnt.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        mnt.rmdir()

@@ -7,9 +7,7 @@ import gc
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from conftest import (
     clone_state,
     data_files,
     load_into,
+    mounted_tmpfs,
     raises_in_dcp,
     rand_tensor,
     run_then_kill,
@@ -198,19 +197,8 @@ def test_sigkill_mid_export_leaves_the_old_export_whole(tmp_path: Path, make_wri
 @pytest.fixture
 def tiny_tmpfs():
     """A 2 MiB tmpfs (root only; skipped where mounting is not permitted)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = Path(tempfile.mkdtemp(prefix="dcp_enospc_"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        mnt.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs("2m", "dcp_enospc_") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
-        mnt.rmdir()
 
 
 def _assert_enospc(err: BaseException, directory: Path) -> None:

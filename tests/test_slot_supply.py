@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import MARKS, Tiers, assert_state_equal, blank_like
+from conftest import MARKS, Tiers, assert_state_equal, blank_like, mounted_tmpfs
 from fakes import FakeClock, HeldPinEngine
 from test_tiers import make_state, wait_until
 
@@ -73,19 +71,8 @@ def test_a_slot_lost_while_a_save_waits_is_made_again(memory: Path,
 @pytest.fixture
 def small_tmpfs() -> Iterator[Path]:
     """An 8 MiB tmpfs (root only; skipped where mounting is not permitted)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = Path(tempfile.mkdtemp(prefix="dcp_slots_enospc_"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        mnt.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs("8m", "dcp_slots_enospc_") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
-        mnt.rmdir()
 
 
 def free_bytes(directory: Path) -> int:
