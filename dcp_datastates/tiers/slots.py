@@ -454,8 +454,7 @@ class SlotPool:
         slots that the saves waiting for one are to get (each save counts its slot itself).
         """
         with self._lock:
-            free = self._unowed([s for s in [*self._free, *self._readying]
-                                 if s not in self._doomed])
+            free = self._spare_slots()
             want = None if self._failed or self._closed or not self._sizing else self._want
             return sum(s.nbytes if want is None else max(s.nbytes, s.size_for(*want))
                        for s in free)
@@ -463,6 +462,11 @@ class SlotPool:
     def _owed(self) -> int:
         """(Lock held) Saves waiting for a slot that none was given yet."""
         return 0 if self._closed else sum(w.slot is None for w in self._waiting)
+
+    def _spare_slots(self) -> list[Slot]:
+        """(Lock held) The free slots and those being readied that no waiting save is to get
+        and :meth:`release_free` did not give up."""
+        return self._unowed([s for s in [*self._free, *self._readying] if s not in self._doomed])
 
     def _unowed(self, slots: list[Slot]) -> list[Slot]:
         """(Lock held) ``slots`` (free ones) less those the waiting saves are to get: pinned
@@ -476,8 +480,7 @@ class SlotPool:
         wait, and no longer counts it), and make no more spares; return how many go."""
         with self._lock:
             self._spares = 0
-            unowed = self._unowed([s for s in [*self._free, *self._readying]
-                                   if s not in self._doomed])
+            unowed = self._spare_slots()
             slots = [s for s in unowed if s not in self._readying]
             doomed = [s for s in unowed if s in self._readying]
             self._doomed.update(doomed)
