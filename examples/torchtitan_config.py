@@ -49,12 +49,13 @@ from torchtitan_train import (
     RunSummary,
     StepClock,
     SyntheticBatches,
+    SyntheticVocab,
 )
 
 from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager, enable_datastates
 
 
-class SyntheticTokenizer(BaseTokenizer):
+class SyntheticTokenizer(SyntheticVocab, BaseTokenizer):
     """Stands in for a tokenizer: the synthetic data are token ids already."""
 
     @dataclass(kw_only=True, slots=True)
@@ -64,15 +65,6 @@ class SyntheticTokenizer(BaseTokenizer):
     def __init__(self, config: Config, tokenizer_path: str | None = None) -> None:
         super().__init__()
         self.vocab_size = config.vocab_size
-
-    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
-        raise NotImplementedError("synthetic data need no encoding")
-
-    def decode(self, *args: Any, **kwargs: Any) -> str:
-        raise NotImplementedError("synthetic data need no decoding")
-
-    def get_vocab_size(self) -> int:
-        return self.vocab_size
 
 
 class SyntheticDataLoader(SyntheticBatches, BaseDataLoader):

@@ -39,7 +39,14 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.models.llama3 import TransformerModelArgs, get_train_spec, llama3_args
 from torchtitan.protocols.train_spec import register_train_spec
-from torchtitan_train import ATTENTION_ENV, SEED, RunSummary, StepClock, SyntheticBatches
+from torchtitan_train import (
+    ATTENTION_ENV,
+    SEED,
+    RunSummary,
+    StepClock,
+    SyntheticBatches,
+    SyntheticVocab,
+)
 
 from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager, enable_datastates
 
@@ -106,21 +113,12 @@ class JobConfig:
 
 
 # -- the train spec -------------------------------------------------------------------------
-class SyntheticTokenizer(BaseTokenizer):
+class SyntheticTokenizer(SyntheticVocab, BaseTokenizer):
     """Stands in for a tokenizer: the synthetic data are token ids already."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-
-    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
-        raise NotImplementedError("synthetic data need no encoding")
-
-    def decode(self, *args: Any, **kwargs: Any) -> str:
-        raise NotImplementedError("synthetic data need no decoding")
-
-    def get_vocab_size(self) -> int:
-        return self.vocab_size
 
 
 class SyntheticDataLoader(SyntheticBatches, BaseDataLoader):

@@ -130,6 +130,22 @@ class SyntheticBatches:
         self.taken = state_dict.get("taken", 0)
 
 
+class SyntheticVocab:
+    """Mixin for torchtitan's ``BaseTokenizer``: the synthetic data are token ids already
+    (its ``__init__`` sets ``vocab_size``)."""
+
+    vocab_size: int
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        raise NotImplementedError("synthetic data need no encoding")
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        raise NotImplementedError("synthetic data need no decoding")
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+
 class StepClock:
     """Mixin for torchtitan's ``MetricsProcessor``: one line per step, ``step N loss L time_s
     T`` (the loss in full precision; the time since the previous step's line: that step's
