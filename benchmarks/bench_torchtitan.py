@@ -39,6 +39,8 @@ sys.path.insert(0, str(REPO / "examples"))
 from torchtitan_resume import Outcome, Spec, resume_check, run, stop_on_sigterm  # noqa: E402
 
 CHECKPOINTING = ("stock", "enable", "tiers")
+#: torchtitan's default async mode for the stock runs (the others are named after theirs).
+PINNED = "async_with_pinned_mem"
 SHM = Path("/dev/shm")
 #: What ``--cpu-smoke`` runs: torchtitan 0.2.x's llama3 debug model on the CPU, few steps.
 SMOKE = {"flavor": "debugmodel", "attention": "sdpa", "steps": 6, "interval": 2,
@@ -55,6 +57,9 @@ def arguments() -> object:
                     help="steps of the every-step runs (0: none of them)")
     ap.add_argument("--every-step-budget", type=float, default=0.05,
                     help="max_overhead of the memory tier's every-step run (0: none)")
+    ap.add_argument("--stock-async", default=PINNED,
+                    help="comma-separated torchtitan async modes of the stock runs, one run "
+                    f"each ({PINNED}: 'stock'; async: 'stock-async', without pinned memory)")
     ap.add_argument("--resume-modes", default="tiers",
                     help="comma-separated modes to check the resume of (stock, enable, tiers; "
                     "'' for none)")
@@ -76,35 +81,41 @@ def arguments() -> object:
         for key, value in SMOKE.items():
             setattr(args, key, value + args.titan if key == "titan" else value)
     args.resume_modes = [m for m in args.resume_modes.split(",") if m]
+    args.stock_async = [m for m in args.stock_async.split(",") if m]
     unknown = set(args.resume_modes) - set(CHECKPOINTING)
     if unknown:
         ap.error(f"--resume-modes: unknown modes {sorted(unknown)}")
     return args
 
 
-def extra(args: object, mode: str) -> list[str]:
-    """torchtitan's arguments for the runs of ``mode``."""
-    tiers = ["--checkpoint.memory_replicate"] if mode == "tiers" and args.replicate else []
-    return [*args.titan, *tiers]
+def compared(args: object) -> list[tuple[str, str, list[str]]]:
+    """(label, mode, torchtitan arguments) of each checkpointing compared: the stock trainer
+    once per ``--stock-async`` mode, then ``enable`` and ``tiers``."""
+    stock = [("stock" if m == PINNED else f"stock-{m}", "stock",
+              [*args.titan] if m == PINNED else [*args.titan, "--checkpoint.async_mode", m])
+             for m in args.stock_async]
+    tiers = ["--checkpoint.memory_replicate"] if args.replicate else []
+    return [*stock, ("enable", "enable", [*args.titan]), ("tiers", "tiers", [*args.titan, *tiers])]
 
 
-def plan(args: object) -> list[tuple[str, Spec]]:
-    """(name, spec) of every timed run, in order."""
+def plan(args: object) -> tuple[list[tuple[str, Spec]], list[tuple[str, Spec]]]:
+    """(name, spec) of the timed runs: none and one every ``--interval`` steps per
+    checkpointing, then those every step."""
     base = {"flavor": args.flavor, "attention": args.attention, "nproc": args.nproc}
-    runs = [("none", Spec("none", steps=args.steps, interval=args.interval, extra=args.titan,
-                          **base))]
-    runs += [(f"{m}/{args.interval}", Spec(m, steps=args.steps, interval=args.interval,
-                                           extra=extra(args, m), **base))
-             for m in CHECKPOINTING]
-    if args.every_step_steps:
-        for m in CHECKPOINTING:
-            extra_args, name = extra(args, m), f"{m}/1"
-            if m == "tiers" and args.every_step_budget:
-                extra_args += ["--checkpoint.max_overhead", str(args.every_step_budget)]
-                name += f" max_overhead={args.every_step_budget:g}"
-            runs.append((name, Spec(m, steps=args.every_step_steps, interval=1,
-                                    extra=extra_args, **base)))
-    return runs
+    interval = [("none", Spec("none", steps=args.steps, interval=args.interval,
+                              extra=args.titan, **base))]
+    interval += [(f"{label}/{args.interval}", Spec(mode, steps=args.steps,
+                                                   interval=args.interval, extra=extra, **base))
+                 for label, mode, extra in compared(args)]
+    every = []
+    for label, mode, extra in compared(args) if args.every_step_steps else []:
+        name = f"{label}/1"
+        if mode == "tiers" and args.every_step_budget:
+            extra = [*extra, "--checkpoint.max_overhead", str(args.every_step_budget)]
+            name += f" max_overhead={args.every_step_budget:g}"
+        every.append((name, Spec(mode, steps=args.every_step_steps, interval=1, extra=extra,
+                                 **base)))
+    return interval, every
 
 
 def _slug(name: str) -> str:
@@ -146,7 +157,8 @@ def tables(res: dict) -> list[Table]:
                ("max s", ".4f"), ("mean vs none", "+.1f%"), ("median vs none", "+.1f%"),
                ("max / median", ".2f"), ("taken", "d"), ("persisted", "d"),
                ("first step s", ".1f")],
-              ["stock: torchtitan CheckpointManager, async_with_pinned_mem; enable: "
+              ["stock: torchtitan CheckpointManager, async_with_pinned_mem (stock-async: "
+               "async_mode='async'); enable: "
                "enable_datastates(trainer.checkpointer); tiers: DataStatesCheckpointManager "
                "memory_tier=True", "name/N: a checkpoint every N steps; taken: checkpoints "
                "taken (the last step's included; the overhead budget skips some); persisted: "
@@ -207,12 +219,12 @@ def main() -> None:
     bench.header()
     bench.res.update(runs=[], skipped=[], resume={})
     outcomes: dict[str, Outcome] = {}
-    runs = plan(args)
-    for name, spec in runs[:1 + len(CHECKPOINTING)]:  # none and the interval runs
+    interval, every = plan(args)
+    for name, spec in interval:
         outcomes[name] = timed_within_budget(bench, args, name, spec)
     for mode in args.resume_modes:
         resume(bench, args, mode, outcomes.get(f"{mode}/{args.interval}"))
-    for name, spec in runs[1 + len(CHECKPOINTING):]:  # the every-step runs
+    for name, spec in every:
         timed_within_budget(bench, args, name, spec)
     if bench.res["skipped"]:
         log(f"skipped (past --budget-s {args.budget_s:.0f}): {bench.res['skipped']}")
@@ -241,8 +253,8 @@ def resume(bench: Run, args: object, mode: str, reference: Outcome | None) -> No
     """The resume check of ``mode`` (its interval run, if it succeeded, is the reference)."""
     if over_budget(bench, args, f"resume {mode}"):
         return
-    spec = Spec(mode, args.flavor, args.attention, args.steps, args.interval, extra(args, mode),
-                args.nproc)
+    extra = next(e for _, m, e in compared(args) if m == mode)
+    spec = Spec(mode, args.flavor, args.attention, args.steps, args.interval, extra, args.nproc)
     ok = reference is not None and reference.rc == 0
     drop = args.drop_rank_tier if mode == "tiers" else None
     result = bench.guard(f"resume {mode}", resume_check, spec, args.dir / f"resume_{mode}",
