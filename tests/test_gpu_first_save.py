@@ -3,6 +3,8 @@ made, the guard waits only for that copy, and the checkpoint is bit exact."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -123,8 +125,10 @@ def test_stash_gpu_sources(headroom: float) -> None:
 
 
 def test_manager_save_into_a_slot_not_pinned_yet_waits_aside(tmp_path, caplog) -> None:
-    """A memory-tier save whose slot is not pinned yet (pinning held) copies its GPU snapshot
-    aside at once and moves it into the slot off the training's path; bit exact."""
+    """A memory-tier save without prepare() whose slot is not pinned yet (pinning held)
+    copies its GPU snapshot aside at once and waits there, uncommitted, for its slot to be
+    pinned (no copy into memory not pinned yet), then moves in off the training's path; bit
+    exact."""
     import logging
     import shutil
     import tempfile
@@ -146,10 +150,13 @@ def test_manager_save_into_a_slot_not_pinned_yet_waits_aside(tmp_path, caplog) -
             handle = manager.save(1, state)
             manager.wait_for_snapshots()
             state["w"].add_(1.0)  # after the copy aside: must not reach the checkpoint
-            handle.result(TIMEOUT)
-            assert engine.pinned == 0 and not engine.gate.is_set()
+            time.sleep(0.5)
+            assert not handle.committed.done() and engine.pinned == 0
             assert any("not ready yet; the snapshot waits aside" in r.getMessage()
                        for r in caplog.records)
+            engine.gate.set()
+            handle.result(TIMEOUT)
+            assert engine.pinned >= 1
             out = {"w": torch.zeros_like(saved["w"])}
             assert manager.load(out) == 1
             _assert_same(out, saved)

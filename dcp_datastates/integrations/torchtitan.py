@@ -34,8 +34,11 @@ What each ``checkpoint.async_mode`` does then:
   on the manager's gloo group. ``save()`` returns as soon as the snapshot has started; the
   snapshot copies into the engine's host cache while the next forward and backward run. The
   optimizer step waits for it: a step pre-hook on the manager's optimizers
-  (:func:`dcp_datastates.guard`), and in ``"async_with_pinned_mem"`` also torchtitan's own
-  ``maybe_wait_for_staging()``, which waits on the staging future returned to it. The write to
+  (:func:`dcp_datastates.guard`), which orders the step after the snapshot's copies (on the
+  GPU where they run there; a snapshot waiting aside for the host cache to be made counts as
+  copied). In ``"async_with_pinned_mem"`` torchtitan's own ``maybe_wait_for_staging()`` gets
+  a done staging future where the hook is on (else the snapshot's, staged in host memory),
+  so training never waits for host memory being made. The write to
   storage goes on in the background; the next save waits for it as torchtitan always does. The
   host cache is already pinned on GPU hosts, so no process-based upload or separate pinned
   stager is needed.
@@ -162,6 +165,11 @@ class DataStates:
         """Figures of the latest save on this rank (None before the first)."""
         return self.last_writer.last_stats() if self.last_writer is not None else None
 
+    @property
+    def guarded(self) -> bool:
+        """Whether the optimizer hook is on (the optimizer step waits for the snapshots)."""
+        return self._hook is not None
+
     def guard(self, optimizers: Any) -> None:
         """Make ``optimizers.step()`` wait for the snapshots staged so far (once); with the
         memory tier, through its manager (which counts the waits under ``max_overhead``)."""
@@ -233,8 +241,11 @@ def _datastates_save(manager: Any, stock_save: Callable[..., Any], state_dict: d
         if not ds.overlap:
             response.staging_completion.result()
         # torchtitan expects a Future for "async" and an AsyncSaveResponse for the pinned mode
-        # (whose staging future its maybe_wait_for_staging() then waits on)
-        result = response.upload_completion if mode == "async" else response
+        # (whose staging future its maybe_wait_for_staging() then waits on: the guard's wait
+        # is enough where it is on)
+        result = response.upload_completion if mode == "async" else AsyncSaveResponse(
+            _done() if ds.guarded else response.staging_completion,
+            response.upload_completion)
     if enable_garbage_collection:  # torchtitan's own option: do what its checkpointer does
         from torchtitan.tools.utils import GarbageCollection
 
@@ -260,9 +271,10 @@ def _tier_save(ds: DataStates, state_dict: dict[str, Any], checkpoint_id: str,
         ds.staging.result()
     if mode == "async":
         return ds.upload
-    # under an overhead budget torchtitan's own wait for the snapshot (before the optimizer
-    # step) would go uncounted: it gets a done future, and the guard, which counts, waits
-    return AsyncSaveResponse(_done() if ds.budgeted else ds.staging, ds.upload)
+    # the guard orders the optimizer step after the snapshot's copies (and, under an overhead
+    # budget, counts its wait): torchtitan's own wait, for the snapshot in host memory, gets a
+    # done future
+    return AsyncSaveResponse(_done() if ds.budgeted or ds.guarded else ds.staging, ds.upload)
 
 
 def _done() -> Future:

@@ -197,6 +197,8 @@ class CheckpointManager:
             self._taken = {s for s in self._taken if s <= self._rollback}
             self._rollback = None
         budget, slots = self._budget, self._slots
+        if slots is not None and self.engine.cuda is not None and not slots.prepared():
+            slots.prepare(*_snapshot_size(state))  # no copy into a slot not pinned yet
         slot = (slots.take(later=budget is None, spare=budget is None) if slots is not None
                 else None)
         if budget is not None:
@@ -243,7 +245,9 @@ class CheckpointManager:
         """Have the memory tier's next slot sized for states like ``state`` and pinned
         (seconds for a slot of a few GiB) in the background, then one more ahead of each save;
         a save meanwhile waits aside for its slot (the training does not wait). ``wait``:
-        return once the slot is pinned (or pinning failed)."""
+        return once the slot is pinned (or pinning failed). Without it, on a GPU, the first
+        save does the same with its own state (it then waits aside for its slot); without
+        a GPU, where nothing is pinned, it sizes its slot itself."""
         self._check_open("nothing to prepare")
         if self._slots is not None:
             self._slots.prepare(*_snapshot_size(state), wait=wait)

@@ -381,6 +381,11 @@ class SlotPool:
             slots = [*self._free, *self._readying, *self._held.values()]
         return max((s.nbytes for s in slots), default=0)
 
+    def prepared(self) -> bool:
+        """Whether :meth:`prepare` gave the slots a size."""
+        with self._lock:
+            return self._want is not None
+
     def prepare(self, total: int, entries: int, wait: bool = False) -> None:
         """Make the spare slot(s) now; the pool's thread sizes each free slot for ``total``
         bytes of ``entries`` tensors and pins it, in the background (``wait``: the calling
