@@ -6,7 +6,7 @@ sources aside at once: GPU tensors into one GPU buffer per device (a device-to-d
 the fastest there is) where the device has room to spare, else into pageable host memory, as
 CPU tensors are. Training may change the sources as soon as it returns; the job moves the
 copies into the cache once it is ready and then calls :meth:`Aside.free`. A copy of a GPU
-source into pageable memory is slow (about 1.5 GiB/s): :func:`fits_on_gpu` tells a job
+source into pageable memory is slow (a fraction of pinned speed): :func:`fits_on_gpu` tells a job
 whether it would come to that (a save into a memory-tier slot then waits for its slot
 instead).
 """

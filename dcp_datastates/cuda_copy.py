@@ -17,7 +17,7 @@ import torch
 
 from .gpu_sums import GpuHashes, GpuSums, blocks_of
 
-try:  # the optional ``gpu`` extra; imported with the package (~0.14 s), not at the first save
+try:  # the optional ``gpu`` extra; imported with the package, not at the first save
     from cuda.bindings import runtime as cudart  # loads the bindings only: no CUDA call
 except (ImportError, OSError):  # no cuda-python: GPU tensors are copied with torch
     cudart = None
@@ -25,8 +25,8 @@ except (ImportError, OSError):  # no cuda-python: GPU tensors are copied with to
 log = logging.getLogger("dcp_datastates")
 
 #: Host memory is pinned in pieces at multiples of this address (a ``cudaHostRegister`` call
-#: holds the driver's lock while it runs: one call for 8 GiB stalled a training thread's CUDA
-#: calls 0.33-0.43 s on an H100 host, benchmarks/probe_pin_stall.py).
+#: holds the driver's lock while it runs: one call for gigabytes stalls a training thread's
+#: CUDA calls for as long; ``benchmarks/probe_pin_stall.py`` measures it).
 PIN_PIECE = 64 << 20
 #: Shortest pause between two pieces; each pause lasts at least as long as the piece took, so
 #: that the training's CUDA calls get the driver's lock at least half of the time (a short

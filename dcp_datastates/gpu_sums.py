@@ -8,7 +8,7 @@ functions for the short inputs and the final merge). The digests equal those of
 ``libdcp_hash.so`` and the xxhash package, so a load verifies them as any other. The kernel
 runs on a stream of its own, beside the copies (it reads the sources in GPU memory, they read
 them over PCIe): the commit then need not read the snapshot's bytes again to checksum them
-(an 8 GiB memory commit under training: 0.10-0.14 s instead of 0.16-0.18 on an H100). Until
+(a faster memory commit: ``benchmarks/RESULTS.md``). Until
 the kernel is built, or where it cannot be, the commit hashes on the CPU (said once in the log).
 """
 
@@ -31,8 +31,8 @@ except (ImportError, OSError):  # no cuda-python: nothing here is used
 
 log = logging.getLogger("dcp_datastates")
 
-#: Bytes one GPU thread hashes (one checksum): 8 GiB in 8,192 blocks took 73 ms on an H100
-#: (16 MiB blocks: 1.18 s, too few threads; 256 KiB: 35 ms, four times the checksums).
+#: Bytes one group of eight GPU threads hashes (one checksum): larger blocks leave too few
+#: threads to fill the GPU; smaller ones multiply the checksums the metadata holds.
 GPU_SUM_BLOCK = 1 << 20
 HEADER = Path(__file__).resolve().parent / "_lib" / "xxhash.h"
 _THREADS = 128
@@ -190,7 +190,7 @@ class GpuSums:
     The kernel is compiled (NVRTC, CPU only) on a thread of its own, once per GPU architecture,
     from :meth:`prime` or the first :meth:`ready`; :meth:`ready` then loads it on the calling
     thread, before that thread issues its copies: a module loaded while a copy of the same
-    process is in flight waits for that copy (0.13 s behind 6 GiB on an H100), and stalled the
+    process is in flight waits for that copy (as long as the copy runs), and stalled the
     training thread's CUDA calls as long. ``arch_of``, ``build`` and ``load`` replace the
     device's architecture, the compiler and the loading of a cubin (tests)."""
 

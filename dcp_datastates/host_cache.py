@@ -38,13 +38,12 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python 3.11's mmap module
 MAP_PIECE = 16 << 20
 """Bytes populated per ``mmap`` call, or unmapped per ``munmap``: the kernel holds the
 process's memory-map lock while it populates or takes down a mapping's pages, so every other
-thread's ``mmap``, thread start or page fault waits for one piece (a few ms), not for
-gigabytes (seconds to populate, ~0.1 s to take down)."""
+thread's ``mmap``, thread start or page fault waits for one piece, not for gigabytes."""
 
 POPULATE_THREADS = 4
 """Threads that fault in a new arena's pages, each a piece at a time: one thread is bound by
-the kernel's zeroing and mapping of each page, and more than 4 gained nothing on an H100 host
-(RESULTS.md). Fewer on a machine with fewer than twice as many cores."""
+the kernel's zeroing and mapping of each page, and more gained nothing where it was measured
+(``benchmarks/RESULTS.md``). Fewer on a machine with fewer than twice as many cores."""
 
 
 def map_private(fd: int, nbytes: int, what: str) -> int:

@@ -19,8 +19,8 @@ holds what a save costs (an average of the recent saves' costs, the newest weigh
 account holds at most one save's cost plus what a typical interval earns (the baseline's): a
 long pause lets one save through, not a burst, and an interval a few ms slower than the baseline
 (noise, charged to the saves in flight) does not leave the account just short of a save whose
-cost the intervals earn with room to spare (capped at one save's cost, a budget of 5% took a
-save every 2-3 steps on an H100 where each cost under 4% of a step).
+cost the intervals earn with room to spare (capped at one save's cost, the account took
+saves more rarely than their cost allowed).
 
 While the memory tier is being set up (its slots sized and pinned in the background, after
 ``prepare()`` or as saves take them), the loop may run slower: an interval of the set-up that a
@@ -59,7 +59,7 @@ NEWEST_WEIGHT = 0.5
 QUIET_KEPT = 32
 #: Quiet intervals needed before the baseline is used: the first one after a save is often
 #: short (the loop catching up on work a save delayed), and alone it made every interval
-#: before it look slow (a first save was charged 0.4-0.6 s for +0.1 s of step time).
+#: before it look slow (a first save was charged several times its real cost).
 QUIET_MIN = 3
 #: Why a save is skipped, by precedence (an all-reduce keeps the highest of the ranks').
 OVER_BUDGET, NO_SLOT, COPYING = 1, 2, 3
