@@ -55,6 +55,9 @@ def arguments() -> object:
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--every-step-steps", type=int, default=5,
                     help="steps of the every-step runs (0: none of them)")
+    ap.add_argument("--every-step-modes", default="",
+                    help="comma-separated labels (stock, stock-async, enable, tiers) of the "
+                    "every-step runs ('': every one compared)")
     ap.add_argument("--every-step-budget", type=float, default=0.05,
                     help="max_overhead of the memory tier's every-step run (0: none)")
     ap.add_argument("--stock-async", default=PINNED,
@@ -108,7 +111,10 @@ def plan(args: object) -> tuple[list[tuple[str, Spec]], list[tuple[str, Spec]]]:
                                                    interval=args.interval, extra=extra, **base))
                  for label, mode, extra in compared(args)]
     every = []
+    chosen = {m for m in args.every_step_modes.split(",") if m}
     for label, mode, extra in compared(args) if args.every_step_steps else []:
+        if chosen and label not in chosen:
+            continue
         name = f"{label}/1"
         if mode == "tiers" and args.every_step_budget:
             extra = [*extra, "--checkpoint.max_overhead", str(args.every_step_budget)]
