@@ -367,3 +367,23 @@ def test_a_save_with_every_slot_in_use_waits_aside_for_the_next_one(
         leases = made.live_leases()
         made.close()
     assert leases == 0
+
+
+def test_a_header_that_outgrows_the_slots_room_gives_every_slot_the_room(
+        tiers: Tiers, held: HeldPinEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """A state whose header is larger than a slot keeps for it (long names): the first save
+    is copied into the tier (logged once), and from then on every slot has the room: the next
+    saves, each into another slot, are in place; the newest loads exactly."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    held.gate.set()
+    state = {"k" * 4000 + str(i): torch.full((300,), float(i)) for i in range(40)}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=3,
+                           persist=None, engine=held) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, state).result(timeout=30)
+        misses = [r.getMessage() for r in caplog.records
+                  if "does not fit before the data" in r.getMessage()]
+        assert len(misses) == 1, misses
+        out = blank_like(state)
+        assert manager.load(out) == 3
+        assert_state_equal(out, state)

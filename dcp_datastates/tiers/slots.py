@@ -69,8 +69,9 @@ SLOT_DIR_PREFIX = ".slots."
 #: Free slots the pool keeps sized and pinned ahead of the next save (made as saves take
 #: them; the first by ``prepare()``).
 SPARE = 1
-#: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (names are rarely longer).
-BASE_ROOM, ENTRY_BYTES = 64 << 10, 512
+#: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (an entry, its alignment
+#: pad's and its share of the bytes items'; a header that outgrows it raises the pool's room).
+BASE_ROOM, ENTRY_BYTES = 64 << 10, 1024
 
 
 def header_room(entries: int) -> int:
@@ -108,19 +109,19 @@ class Slot:
 
     def size_for(self, total: int, entries: int) -> int:
         """Bytes the slot takes once :meth:`fit` for ``total`` bytes of ``entries`` tensors."""
-        return max(self.room, header_room(entries)) + round_up(total)
+        return self._room_for(entries) + round_up(total)
 
     def sized_for(self, total: int, entries: int) -> bool:
         """Whether the slot is mapped as :meth:`fit` for ``total`` bytes of ``entries``
         tensors maps it (a fit would change nothing)."""
-        return (self.arena is not None and self.room >= header_room(entries)
+        return (self.arena is not None and self.room >= self._room_for(entries)
                 and self.arena.nbytes == self.size_for(total, entries))
 
     def fit(self, total: int, entries: int) -> None:
         """Size the slot for ``total`` bytes of data after the header room for ``entries``
         tensors, mapping it again, unpinned, if its size changes. An adopted file keeps its
         pages where it covers that size; any other file is emptied first (no stale bytes)."""
-        room = max(self.room, header_room(entries))
+        room = self._room_for(entries)
         size = self.size_for(total, entries)
         if self.arena is not None and self.arena.nbytes == size and self.room == room:
             return
@@ -149,9 +150,14 @@ class Slot:
         assert self.arena is not None  # fit() maps the slot or raises
         return self.arena.pool.try_allocate_at(self.room, total)
 
+    def _room_for(self, entries: int) -> int:
+        """Header room for ``entries`` tensors: what the slot has, or the pool's saves need."""
+        return max(self.room, self.pool.room, header_room(entries))
+
     def need_room(self, header_len: int) -> None:
-        """A header of ``header_len`` bytes did not fit: the next save makes the room."""
-        self.room = max(self.room, round_up(header_len, ALIGN))
+        """A header of ``header_len`` bytes did not fit: every slot makes the room (the free
+        ones in the background, the others when a save next sizes them)."""
+        self.pool.need_room(header_len)
 
     def when_ready(self, queue: Callable[[], None]) -> None:
         """The slot can be leased at once (the move sizes it, pinned or not): ``queue`` now."""
@@ -237,6 +243,7 @@ class SlotPool:
         self._want: tuple[int, int] | None = None  # the size prepare() gave: (total, entries)
         self._last: tuple[int, int] | None = None  # the size the last save took (saw)
         self._count = 0  # slots mapped now
+        self.room = 0  # header room the saves' headers needed (need_room)
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._readied = threading.Condition(self._lock)  # a slot left _readying
@@ -380,6 +387,13 @@ class SlotPool:
         with self._lock:
             slots = [*self._free, *self._readying, *self._held.values()]
         return max((s.nbytes for s in slots), default=0)
+
+    def need_room(self, header_len: int) -> None:
+        """A save's header of ``header_len`` bytes did not fit before its data: slots are
+        sized with that room from now on (the free ones again, in the background)."""
+        with self._lock:
+            self.room = max(self.room, round_up(header_len, ALIGN))
+        self._thread.wake()
 
     def prepared(self) -> bool:
         """Whether :meth:`prepare` gave the slots a size."""
