@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from fakes import FaultyBackend
+from helpers.fakes import FaultyBackend
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import MARKS, assert_state_equal, clone_state, rand_tensor
+from helpers import MARKS, assert_state_equal, clone_state, rand_tensor
 
 from dcp_datastates import DataStatesWriter, Engine, cli
 from dcp_datastates.metadata_file import read_metadata

@@ -8,7 +8,7 @@ import ctypes
 import pytest
 import torch
 import xxhash
-from conftest import MARKS
+from helpers import MARKS
 
 from dcp_datastates import checksums
 from dcp_datastates.errors import CheckpointCorruptError

@@ -1,4 +1,6 @@
-"""Bad input and damaged checkpoints: each fails with an error that names what is wrong."""
+"""Damaged checkpoints and saves over an existing one: each fails with an error that names what
+is wrong (no or garbage ``.metadata``, a data file missing, truncated, flipped or replaced by
+a link, a checkpoint saved without ``overwrite``)."""
 
 from __future__ import annotations
 
@@ -7,16 +9,13 @@ import io
 import os
 import pickle
 import re
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import (
+from helpers import (
     MARKS,
     assert_state_equal,
     blank_like,
@@ -27,13 +26,11 @@ from conftest import (
     rand_tensor,
     save,
 )
-from fakes import FaultyBackend
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates import CheckpointCorruptError, CheckpointError, DataStatesWriter, Engine
+from dcp_datastates import CheckpointCorruptError, CheckpointError
 from dcp_datastates.directory import LOCK_NAME
-from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.metadata_file import read_metadata, write_metadata
 
 try:
@@ -314,253 +311,3 @@ def test_metadata_version_is_stamped(tmp_path: Path, make_writer) -> None:
     metadata = read_metadata(directory)
     assert metadata.version == CURRENT_DCP_VERSION
     assert CURRENT_DCP_VERSION == "1.0.0"
-
-
-# -- bad arguments -------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("size", "message"),
-    [
-        ("12 parsecs", r"host_cache_size='12 parsecs' is not a size"),
-        ("", r"host_cache_size='' is not a size"),
-        ("-1MiB", r"host_cache_size='-1MiB' is not a size"),
-        (-4096, r"host_cache_size must not be negative, got -4096"),
-    ],
-)
-def test_bad_host_cache_size(size, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        Engine(host_cache_size=size, io_backend="threads")
-
-
-def test_host_cache_size_type() -> None:
-    with pytest.raises(TypeError, match="host_cache_size must be an int or a string"):
-        Engine(host_cache_size=1.5, io_backend="threads")
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"host_cache_size": "8KiB"}, r"host_cache_size must be at least 16 KiB, got '8KiB'"),
-        ({"host_cache_size": 8192}, r"host_cache_size must be at least 16 KiB, got 8192"),
-        ({"io_backend": "bogus"},
-         r"unknown I/O backend 'bogus'; valid names: auto, uring, threads"),
-        ({"io_workers": 0}, r"io_workers must be an integer >= 1, got 0"),
-        ({"io_workers": -3}, r"io_workers must be an integer >= 1, got -3"),
-        ({"io_workers": 2.0}, r"io_workers must be an integer >= 1, got 2\.0"),
-    ],
-)
-def test_engine_rejects_bad_arguments_at_construction(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        Engine(**{"host_cache_size": "1MiB", "io_backend": "threads", **kwargs}).close()
-
-
-def test_reader_rejects_unknown_io_backend(tmp_path: Path, make_writer) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
-    message = r"unknown I/O backend 'bogus'; valid names: auto, uring, threads"
-    with pytest.raises((ValueError, CheckpointException), match=message):  # made, or used
-        load_into(old, directory, io_backend="bogus")
-
-
-def _tmpfs_dir() -> Path:
-    """A fresh directory on /dev/shm (skips the test where /dev/shm is not tmpfs)."""
-    with open("/proc/mounts") as f:
-        mounts = {fields[1]: fields[2] for fields in (line.split() for line in f)}
-    if mounts.get("/dev/shm") != "tmpfs":
-        pytest.skip("/dev/shm is not a tmpfs mount here")
-    return Path(tempfile.mkdtemp(dir="/dev/shm", prefix="dcp_datastates_test_"))
-
-
-def test_direct_io_on_tmpfs_is_refused_at_construction(make_engine) -> None:
-    directory = _tmpfs_dir()
-    try:
-        path = directory / "ckpt"
-        with pytest.raises(ValueError, match=rf"{re.escape(str(directory))}.*tmpfs"):
-            DataStatesWriter(path, engine=make_engine(io_backend="threads"), direct_io=True)
-        assert not path.exists()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def test_direct_io_on_tmpfs_is_refused_when_the_path_comes_with_the_save(make_writer) -> None:
-    directory = _tmpfs_dir()
-    try:
-        path = directory / "ckpt"
-        with raises_in_dcp(ValueError, rf"{re.escape(str(directory))}.*tmpfs"):
-            save(_state(), path, make_writer(direct_io=True))
-        assert not (path / ".metadata").exists()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-# -- the engine's lifetime -----------------------------------------------------------------------
-def test_engine_close_frees_its_memory_and_refuses_further_use(
-    tmp_path: Path, make_engine
-) -> None:
-    engine = make_engine(host_cache_size="1MiB", io_backend="threads")
-    state = _state()
-    expected = clone_state(state)
-    dcp.async_save(state, checkpoint_id=tmp_path / "a",
-                   storage_writer=DataStatesWriter(engine=engine),
-                   no_dist=True).upload_completion.result(timeout=60)
-    assert engine.cache_bytes() > 0 and engine.live_leases() == 0
-    engine.close()
-    assert engine.cache_bytes() == 0 and engine.live_leases() == 0
-    engine.close()  # idempotent
-    closed = r"Engine is closed"
-    with pytest.raises(RuntimeError, match=closed):
-        engine.reserve(4096)
-    with pytest.raises(RuntimeError, match=closed):
-        _ = engine.bounce
-    with pytest.raises(RuntimeError, match=closed):
-        engine.new_save_job()
-    with raises_in_dcp(RuntimeError, closed):
-        save(state, tmp_path / "b", DataStatesWriter(engine=engine))
-    assert not (tmp_path / "b" / ".metadata").exists()
-    assert engine.cache_bytes() == 0
-    # The checkpoint saved before the close is whole.
-    assert_state_equal(load_into(expected, tmp_path / "a", io_backend="threads"), expected)
-
-
-def test_load_on_a_closed_engine_says_so(tmp_path: Path, make_writer, make_engine) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
-    engine = make_engine(io_backend="threads")
-    engine.close()
-    with raises_in_dcp(RuntimeError, r"Engine is closed"):
-        load_into(old, directory, engine=engine)
-
-
-# -- a save that fails while writing -------------------------------------------------------------
-@pytest.fixture
-def faulty(make_engine):
-    """An engine writing through a FaultyBackend (disarmed: ``arm(ok)`` makes every write
-    after the next ``ok`` fail with EIO; ``disarm()`` makes writes succeed again)."""
-    backend = FaultyBackend(ThreadPoolBackend())
-    engine = make_engine(host_cache_size="4MiB", io_backend=backend, io_workers=4)
-    yield engine, backend
-    assert engine.live_leases() == 0, "a save kept host cache memory after it ended"
-    engine.close()
-    assert backend.live_buffers() == [], "the engine left a buffer registered after close"
-    backend.close()
-
-
-def arm(backend: FaultyBackend, ok: int) -> None:
-    backend.fail_write_after = backend.writes + ok
-
-
-def disarm(backend: FaultyBackend) -> None:
-    backend.fail_write_after = None
-
-
-INJECTED = r"\(injected\)"
-
-
-def _big_state(seed: int) -> dict:
-    # ~1.8 MiB: several flush extents (a 4 MiB cache has 256 KiB extents), so writes fail
-    # partway; and more than half of a 4 MiB cache's 3 MiB snapshot pool.
-    return {
-        "big": rand_tensor((3 * MiB // 2 + 77,), torch.uint8, seed=seed),
-        "w": rand_tensor((100, 700), torch.float32, seed=seed + 1),
-        "step": seed,
-    }
-
-
-@pytest.mark.parametrize("direct_io", [True, False])
-def test_failed_write_keeps_previous_checkpoint(
-    tmp_path: Path, make_writer, faulty, direct_io: bool
-) -> None:
-    engine, backend = faulty
-    directory = tmp_path / "ckpt"
-    a = _big_state(seed=1)
-    expected_a = clone_state(a)
-    save(a, directory, make_writer())
-    before = {p.name: p.read_bytes() for p in directory.iterdir()}
-
-    writer = DataStatesWriter(engine=engine, overwrite=True, direct_io=direct_io)
-    b = _big_state(seed=2)
-    expected_b = clone_state(b)
-    arm(backend, ok=1)  # a buffered save makes only 2 write calls (an O_DIRECT one, 10)
-    start = backend.writes
-    with raises_in_dcp(OSError, rf"{INJECTED}: .*__0_[0-9a-f]+\.safetensors"):
-        save(b, directory, writer)
-    assert backend.writes - start > 1, "the failure should come after some data was written"
-    disarm(backend)
-    assert engine.live_leases() == 0
-
-    # Nothing of B's remains; A is untouched and still loads.
-    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
-    assert_state_equal(load_into(expected_a, directory), expected_a)
-
-    # A failed save into a fresh directory leaves no .metadata and no data file.
-    fresh = tmp_path / "fresh"
-    arm(backend, ok=0)
-    with raises_in_dcp(OSError, INJECTED):
-        save(b, fresh, writer)
-    disarm(backend)
-    assert [p.name for p in fresh.iterdir() if p.name != LOCK_NAME] == []
-    assert engine.live_leases() == 0
-
-    # The same writer works again afterwards and replaces A with B.
-    save(b, directory, writer)
-    assert_state_equal(load_into(expected_b, directory), expected_b)
-    assert len(data_files(directory)) == 1
-
-
-def test_failed_async_save_releases_host_cache(tmp_path: Path, faulty) -> None:
-    """A failed flush gives its snapshot's cache back, even while its error object is alive."""
-    engine, backend = faulty
-    writer = DataStatesWriter(engine=engine)
-    state = _big_state(seed=3)
-    expected = clone_state(state)
-    arm(backend, ok=1)
-    first = dcp.async_save(state, checkpoint_id=tmp_path / "a", storage_writer=writer,
-                           no_dist=True)
-    with pytest.raises(CheckpointException) as info:  # kept alive to the end of the test
-        first.upload_completion.result(timeout=60)
-    disarm(backend)
-    assert re.search(INJECTED, str(info.value))
-    assert engine.live_leases() == 0
-    assert not (tmp_path / "a" / ".metadata").exists() and data_files(tmp_path / "a") == []
-
-    second = dcp.async_save(state, checkpoint_id=tmp_path / "b", storage_writer=writer,
-                            no_dist=True)
-    staged_in_time = True
-    try:
-        second.staging_completion.result(timeout=5)
-    except TimeoutError:
-        staged_in_time = False
-    finally:
-        if not staged_in_time:  # end the waiting save rather than leave its thread blocked
-            engine.close(timeout=1)
-        try:
-            second.upload_completion.result(timeout=60)
-        except Exception:
-            if staged_in_time:
-                raise
-    assert staged_in_time, "staging waited for cache memory that the failed save never freed"
-    assert_state_equal(load_into(expected, tmp_path / "b"), expected)
-    assert info.value is not None
-
-
-def test_failed_save_on_one_thread_does_not_block_saves_on_another(
-    tmp_path: Path, make_writer
-) -> None:
-    directory, _ = _checkpoint(tmp_path, make_writer)
-    writer = make_writer()
-    saver = ThreadPoolExecutor(1, thread_name_prefix="long-lived-saver")
-    other = ThreadPoolExecutor(1, thread_name_prefix="other-saver")
-    state = _state(seed=9)
-    expected = clone_state(state)
-    try:
-        failed = saver.submit(save, _state(seed=8), directory, writer)  # no overwrite=True
-        with pytest.raises(CheckpointException, match="Checkpoint already exists"):
-            failed.result(timeout=60)
-        second = other.submit(save, state, tmp_path / "fresh", writer)
-        finished = True
-        try:
-            second.result(timeout=5)
-        except FutureTimeout:
-            finished = False
-    finally:
-        saver.shutdown(wait=True)  # the owner thread exits: a waiting save takes the turn over
-        other.shutdown(wait=True)
-    assert finished, "the save on another thread waited for the failed save's turn"
-    assert_state_equal(load_into(expected, tmp_path / "fresh"), expected)

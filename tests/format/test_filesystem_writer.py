@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from conftest import MARKS, assert_state_equal, blank_like, clone_state, raises_in_dcp, rand_tensor
+from helpers import MARKS, assert_state_equal, blank_like, clone_state, raises_in_dcp, rand_tensor
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_datastates import CheckpointCorruptError, CheckpointError, DataStatesReader, cli

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, clone_state, data_files, load_into, raises_in_dcp, rand_tensor, save
+from helpers import MARKS, clone_state, data_files, load_into, raises_in_dcp, rand_tensor, save
 from safetensors import safe_open
 
 from dcp_datastates import CheckpointCorruptError, cli

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, assert_state_equal, clone_state, load_into, raises_in_dcp, save
+from helpers import MARKS, assert_state_equal, clone_state, load_into, raises_in_dcp, save
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     MetadataIndex,

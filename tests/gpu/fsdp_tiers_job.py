@@ -1,6 +1,6 @@
 """An FSDP2 training job on every GPU (on CPU with gloo where there is none) with a
 ``CheckpointManager`` (a memory tier per rank with peer replicas, and a durable tier), started
-by ``tests/test_gpu_replica_restart.py`` under torchrun. Not a test module.
+by ``tests/gpu/test_gpu_replica_restart.py`` under torchrun. Not a test module.
 
 ``run``: trains and saves every step; before each save every rank writes its local shards of
 that step to ``<root>/expected/rank<r>_step<s>.pt``; once step ``KILL_AFTER`` is in memory and

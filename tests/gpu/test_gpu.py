@@ -190,7 +190,7 @@ def test_next_snapshot_is_issued_while_the_previous_one_settles(tmp_path) -> Non
     """The staging thread issues the second snapshot's copies while the first one's settle
     (the wait for its copies' end) is held: the guard queues work behind both on the GPU at
     once, and each checkpoint holds its own bytes, with the copies' GPU time."""
-    from fakes import HeldSettles
+    from helpers.fakes import HeldSettles
 
     held = HeldSettles()
     engine = Engine(host_cache_size="1GiB", settle_pool=held)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from fakes import SlowArena
+from helpers.fakes import SlowArena
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, cuda_copy, guard
 from dcp_datastates.aside import HOST, stash
@@ -130,7 +130,7 @@ def test_manager_save_into_a_slot_not_pinned_yet_waits_aside(tmp_path, caplog) -
     import tempfile
     from pathlib import Path
 
-    from fakes import HeldPinEngine
+    from helpers.fakes import HeldPinEngine
 
     from dcp_datastates import CheckpointManager
 

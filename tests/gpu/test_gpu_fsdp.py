@@ -4,7 +4,7 @@
 stays in host memory (no GPU memory beyond the state's own). Run on a machine with 2 GPUs::
 
     torchrun --standalone --nproc-per-node 2 -m pytest -q -p no:cacheprovider \\
-        -p no:pytest_mpi tests/test_gpu_fsdp.py
+        -p no:pytest_mpi tests/gpu/test_gpu_fsdp.py
 
 (or ``mpirun -n 2 ... --with-mpi``). A rank that finds a problem reports it through ``agree``,
 so every rank fails together.
@@ -17,12 +17,12 @@ import logging
 import threading
 from pathlib import Path
 
-import mpi_util
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from mpi_util import World, agree, collecting
+from helpers import mpi_util
+from helpers.mpi_util import World, agree, collecting
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,

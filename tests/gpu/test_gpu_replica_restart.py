@@ -1,6 +1,6 @@
 """A two-rank FSDP2 job with peer replicas killed mid-run (SIGKILL) and one node's memory tier
 lost: restarted with the same command, every rank resumes bit for bit from the newest step,
-the lost rank from its peer's replica. Starts ``tests/fsdp_tiers_job.py`` under torchrun: on
+the lost rank from its peer's replica. Starts ``tests/gpu/fsdp_tiers_job.py`` under torchrun: on
 two GPUs where there are (marked ``gpu``), else on CPU with gloo."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def kill_when_ready(argv: list[str], log: Path) -> None:
     """Start the job; SIGKILL torchrun and every rank at once (a crash of the whole job)
     once it prints ``KILL-ME``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+        [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     with open(log, "w") as err:
         job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                                start_new_session=True)
@@ -98,7 +98,7 @@ def test_killed_job_resumes_every_rank_the_lost_one_from_its_peer(root: Path,
                                                                   tmp_path: Path) -> None:
     kill_when_ready(torchrun("run", str(root)), tmp_path / "run.log")
     shutil.rmtree(root / "node_1")  # rank 1's node is lost with its memory tier
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     done = subprocess.run(torchrun("resume", str(root)), capture_output=True, text=True,
                           timeout=TIMEOUT, env=env)
     assert done.returncode == 0, done.stderr[-4000:]

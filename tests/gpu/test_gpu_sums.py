@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import raises_in_dcp
+from helpers import raises_in_dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, checksums, cuda_copy
 from dcp_datastates.errors import CheckpointCorruptError

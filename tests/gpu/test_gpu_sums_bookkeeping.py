@@ -11,7 +11,7 @@ import threading
 import time
 
 import torch
-from conftest import MARKS
+from helpers import MARKS
 
 from dcp_datastates.gpu_sums import GpuSums
 from dcp_datastates.jobs.flush import _made_on_gpu

@@ -9,9 +9,8 @@ import threading
 
 import pytest
 import torch
-from conftest import Tiers
-from test_tiers import HoldWrites
-from test_wait_for_slot import ASIDE, TIMEOUT, WAITS, _messages, _wait_until
+from helpers import Tiers
+from helpers.tiers import ASIDE, TIMEOUT, WAITS, HoldWrites, _messages, _wait_until
 
 from dcp_datastates import CheckpointManager, Engine, guard
 from dcp_datastates.aside import GPU_HEADROOM

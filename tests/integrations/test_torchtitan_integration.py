@@ -28,17 +28,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import mpi_util
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from mpi_util import World, agree
+from helpers import mpi_util
+from helpers.mpi_util import World, agree
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 from torchtitan_train import stand_ins_for_missing_packages  # noqa: E402
 

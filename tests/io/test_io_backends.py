@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from fakes import FaultyBackend
+from helpers.fakes import FaultyBackend
 
 from dcp_datastates.align import ALIGN
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend, make_backend
@@ -759,7 +759,7 @@ def test_memlock_limit_refusal(tmp_path: Path) -> None:
             pytest.skip("root without setpriv: CAP_IPC_LOCK bypasses RLIMIT_MEMLOCK")
         cmd = ["setpriv", "--inh-caps=-all", "--bounding-set=-ipc_lock", *cmd]
     (tmp_path / "m.bin").touch()
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "fixed buffers: 0\n"

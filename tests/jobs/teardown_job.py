@@ -1,5 +1,5 @@
 """A two-rank job that starts async saves and destroys the process group at once, as the last
-lines of a torchrun script do; started by ``tests/test_teardown.py``. Not a test module.
+lines of a torchrun script do; started by ``tests/jobs/test_teardown.py``. Not a test module.
 
 ``shared`` (default): each rank saves items of its own (``rank<r>``) and a tensor both hold
 alike into ``<root>/ckpt`` with a fresh ``DataStatesWriter()``, does not wait, then calls
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fakes import HeldSettles
+from helpers.fakes import HeldSettles
 
 from dcp_datastates import CheckpointManager, DataStatesWriter, Engine
 

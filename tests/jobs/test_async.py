@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import (
+from helpers import (
     MARKS,
     assert_state_equal,
     clone_state,
@@ -429,7 +429,7 @@ def test_async_process_checkpointer_single_rank_gloo(tmp_path: Path) -> None:
     """AsyncCheckpointerType.PROCESS: the writer is pickled into DCP's checkpoint process."""
     script = tmp_path / "process_save.py"
     script.write_text(_PROCESS_SCRIPT)
-    root = str(Path(__file__).resolve().parents[1])  # the package, installed or not
+    root = str(Path(__file__).resolve().parents[2])  # the package, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(

@@ -1,5 +1,6 @@
 """Saves faster than the disk, one checkpoint per step, loads during saves, bounded memory;
-fresh writers and readers per save on one engine; saves racing into one directory."""
+fresh writers and readers per save on one engine; saves racing into one directory; a save that
+fails on one thread does not hold up the saves of another."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import (
+from helpers import (
     MARKS,
     assert_state_equal,
     blank_like,
@@ -26,8 +29,9 @@ from conftest import (
     load_into,
     raises_in_dcp,
     rand_tensor,
+    save,
 )
-from fakes import FaultyBackend
+from helpers.fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, Engine
@@ -37,7 +41,7 @@ from dcp_datastates.metadata_file import read_metadata
 
 MiB = 1 << 20
 TIMEOUT = 60
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
 pytestmark = MARKS
@@ -402,7 +406,7 @@ _RACER = textwrap.dedent(
     """
     import sys, time, traceback, warnings
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests!r} + "/jobs"]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from test_concurrency import _race_state
@@ -467,3 +471,45 @@ def test_two_processes_race_into_one_directory(tmp_path: Path) -> None:
             for f in (p.stdout, p.stderr):
                 f.close()
     assert len(data_files(directory)) == 1
+
+
+# -- a failed save and the turns of the others ------------------------------------------------
+def _state(seed: int = 0) -> dict:
+    return {
+        "w": rand_tensor((300, 257), torch.float32, seed=seed),
+        "b": rand_tensor((257,), torch.bfloat16, seed=seed + 1),
+        "cfg": {"lr": 0.1 * (seed + 1), "name": f"run{seed}"},
+    }
+
+
+def _checkpoint(tmp_path: Path, make_writer, seed: int = 0) -> tuple[Path, dict]:
+    directory = tmp_path / "ckpt"
+    state = _state(seed)
+    save(state, directory, make_writer())
+    return directory, clone_state(state)
+
+
+def test_failed_save_on_one_thread_does_not_block_saves_on_another(
+    tmp_path: Path, make_writer
+) -> None:
+    directory, _ = _checkpoint(tmp_path, make_writer)
+    writer = make_writer()
+    saver = ThreadPoolExecutor(1, thread_name_prefix="long-lived-saver")
+    other = ThreadPoolExecutor(1, thread_name_prefix="other-saver")
+    state = _state(seed=9)
+    expected = clone_state(state)
+    try:
+        failed = saver.submit(save, _state(seed=8), directory, writer)  # no overwrite=True
+        with pytest.raises(CheckpointException, match="Checkpoint already exists"):
+            failed.result(timeout=60)
+        second = other.submit(save, state, tmp_path / "fresh", writer)
+        finished = True
+        try:
+            second.result(timeout=5)
+        except FutureTimeout:
+            finished = False
+    finally:
+        saver.shutdown(wait=True)  # the owner thread exits: a waiting save takes the turn over
+        other.shutdown(wait=True)
+    assert finished, "the save on another thread waited for the failed save's turn"
+    assert_state_equal(load_into(expected, tmp_path / "fresh"), expected)

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import MARKS, rand_tensor
-from fakes import FileTarget
+from helpers import MARKS, rand_tensor
+from helpers.fakes import FileTarget
 from safetensors import safe_open
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import (
+from helpers import (
     MARKS,
     assert_state_equal,
     clone_state,
@@ -27,13 +27,16 @@ from conftest import (
     run_then_kill,
     save,
 )
+from helpers.fakes import FaultyBackend
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesWriter, Engine, cli
+from dcp_datastates.directory import LOCK_NAME
+from dcp_datastates.io import ThreadPoolBackend
 
 MiB = 1 << 20
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
 pytestmark = MARKS
@@ -58,8 +61,8 @@ _CHILD = textwrap.dedent(
     import sys, threading
     sys.path.insert(0, {tests!r})
     import torch, torch.distributed.checkpoint as dcp
-    from conftest import rand_tensor
-    from fakes import FaultyBackend
+    from helpers import rand_tensor
+    from helpers.fakes import FaultyBackend
     from dcp_datastates import DataStatesWriter, Engine
     from dcp_datastates.io import ThreadPoolBackend
 
@@ -127,7 +130,7 @@ _EXPORT_CHILD = textwrap.dedent(
     """
     import sys, threading
     sys.path.insert(0, {tests!r})
-    from fakes import FaultyBackend
+    from helpers.fakes import FaultyBackend
     from dcp_datastates import Engine, cli
     from dcp_datastates.io import ThreadPoolBackend
 
@@ -331,3 +334,115 @@ def test_failed_async_saves_release_memory_without_gc(
     finally:
         gc.enable()
     assert_state_equal(load_into(expected_previous, directory, engine=engine), expected_previous)
+
+
+# -- a save that fails while writing -------------------------------------------------------------
+@pytest.fixture
+def faulty(make_engine):
+    """An engine writing through a FaultyBackend (disarmed: ``arm(ok)`` makes every write
+    after the next ``ok`` fail with EIO; ``disarm()`` makes writes succeed again)."""
+    backend = FaultyBackend(ThreadPoolBackend())
+    engine = make_engine(host_cache_size="4MiB", io_backend=backend, io_workers=4)
+    yield engine, backend
+    assert engine.live_leases() == 0, "a save kept host cache memory after it ended"
+    engine.close()
+    assert backend.live_buffers() == [], "the engine left a buffer registered after close"
+    backend.close()
+
+
+def arm(backend: FaultyBackend, ok: int) -> None:
+    backend.fail_write_after = backend.writes + ok
+
+
+def disarm(backend: FaultyBackend) -> None:
+    backend.fail_write_after = None
+
+
+INJECTED = r"\(injected\)"
+
+
+def _big_state(seed: int) -> dict:
+    # ~1.8 MiB: several flush extents (a 4 MiB cache has 256 KiB extents), so writes fail
+    # partway; and more than half of a 4 MiB cache's 3 MiB snapshot pool.
+    return {
+        "big": rand_tensor((3 * MiB // 2 + 77,), torch.uint8, seed=seed),
+        "w": rand_tensor((100, 700), torch.float32, seed=seed + 1),
+        "step": seed,
+    }
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_failed_write_keeps_previous_checkpoint(
+    tmp_path: Path, make_writer, faulty, direct_io: bool
+) -> None:
+    engine, backend = faulty
+    directory = tmp_path / "ckpt"
+    a = _big_state(seed=1)
+    expected_a = clone_state(a)
+    save(a, directory, make_writer())
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+
+    writer = DataStatesWriter(engine=engine, overwrite=True, direct_io=direct_io)
+    b = _big_state(seed=2)
+    expected_b = clone_state(b)
+    arm(backend, ok=1)  # a buffered save makes only 2 write calls (an O_DIRECT one, 10)
+    start = backend.writes
+    with raises_in_dcp(OSError, rf"{INJECTED}: .*__0_[0-9a-f]+\.safetensors"):
+        save(b, directory, writer)
+    assert backend.writes - start > 1, "the failure should come after some data was written"
+    disarm(backend)
+    assert engine.live_leases() == 0
+
+    # Nothing of B's remains; A is untouched and still loads.
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert_state_equal(load_into(expected_a, directory), expected_a)
+
+    # A failed save into a fresh directory leaves no .metadata and no data file.
+    fresh = tmp_path / "fresh"
+    arm(backend, ok=0)
+    with raises_in_dcp(OSError, INJECTED):
+        save(b, fresh, writer)
+    disarm(backend)
+    assert [p.name for p in fresh.iterdir() if p.name != LOCK_NAME] == []
+    assert engine.live_leases() == 0
+
+    # The same writer works again afterwards and replaces A with B.
+    save(b, directory, writer)
+    assert_state_equal(load_into(expected_b, directory), expected_b)
+    assert len(data_files(directory)) == 1
+
+
+def test_failed_async_save_releases_host_cache(tmp_path: Path, faulty) -> None:
+    """A failed flush gives its snapshot's cache back, even while its error object is alive."""
+    engine, backend = faulty
+    writer = DataStatesWriter(engine=engine)
+    state = _big_state(seed=3)
+    expected = clone_state(state)
+    arm(backend, ok=1)
+    first = dcp.async_save(state, checkpoint_id=tmp_path / "a", storage_writer=writer,
+                           no_dist=True)
+    with pytest.raises(CheckpointException) as info:  # kept alive to the end of the test
+        first.upload_completion.result(timeout=60)
+    disarm(backend)
+    assert re.search(INJECTED, str(info.value))
+    assert engine.live_leases() == 0
+    assert not (tmp_path / "a" / ".metadata").exists() and data_files(tmp_path / "a") == []
+
+    second = dcp.async_save(state, checkpoint_id=tmp_path / "b", storage_writer=writer,
+                            no_dist=True)
+    staged_in_time = True
+    try:
+        second.staging_completion.result(timeout=5)
+    except TimeoutError:
+        staged_in_time = False
+    finally:
+        if not staged_in_time:  # end the waiting save rather than leave its thread blocked
+            engine.close(timeout=1)
+        try:
+            second.upload_completion.result(timeout=60)
+        except Exception:
+            if staged_in_time:
+                raise
+    assert staged_in_time, "staging waited for cache memory that the failed save never freed"
+    assert_state_equal(load_into(expected, tmp_path / "b"), expected)
+    assert info.value is not None

@@ -1,10 +1,10 @@
-"""The host cache's piecewise populate and unmap (``host_cache.py``), the persist's private
-source mapping (``jobs/copy.py``), the flush taking a snapshot's copies as the file's data,
-and checksums that must be made of the bytes the flush writes, not taken from a snapshot."""
+"""The flush (``jobs/flush.py``) writes a snapshot's copies as the data file, and the file's
+checksums are made of the bytes it writes, not taken from a snapshot they may not match (a plan
+resolved to a view of a copy, a staged tensor changed in place); a process hand-off does not
+wait for a snapshot's checksums."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
@@ -17,15 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
-from fakes import FileTarget
+from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
+from helpers.fakes import FileTarget
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 from dcp_datastates import DataStatesWriter, Engine, cli
-from dcp_datastates.align import ALIGN
-from dcp_datastates.host_cache import Arena
-from dcp_datastates.jobs.copy import copy_checkpoint
 
 TIMEOUT = 60
 
@@ -97,66 +94,6 @@ def _run(script: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
-def test_an_arena_over_a_file_shorter_than_it_is_refused_naming_the_file(
-        tmp_path: Path) -> None:
-    """Pages past a file's end fault with SIGBUS when touched (a copy into the arena would
-    kill the process): the arena refuses such a file when it is made."""
-    path = tmp_path / "short"
-    path.write_bytes(b"x" * ALIGN)
-    done = _run(f"""
-        import os
-        from dcp_datastates.host_cache import Arena
-        fd = os.open({str(path)!r}, os.O_RDWR)
-        try:
-            arena = Arena(1 << 20, {str(path)!r}, fd=fd)
-        except ValueError as exc:
-            print("refused:", exc)
-        else:
-            arena.tensor[-1] = 1
-            print("touched")
-    """)
-    assert done.returncode == 0, f"the process died (rc {done.returncode}): {done.stderr}"
-    assert "refused:" in done.stdout and str(path) in done.stdout, done.stdout
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.ftruncate(fd, ALIGN + 1)  # the page that holds the end is the file's: taken
-        Arena(2 * ALIGN, "a file that ends inside its last page", fd=fd).free()
-    finally:
-        os.close(fd)
-
-
-@pytest.mark.xfail(strict=True, reason="the persist reads its source through a mapping: a "
-                   "file truncated meanwhile kills the process with SIGBUS (not fixed)")
-def test_the_persist_of_a_file_truncated_meanwhile_fails_naming_it(tmp_path: Path) -> None:
-    """A memory-tier file cut short (by anything outside the manager) while it is persisted:
-    the copy fails with an error naming the file; the process lives on."""
-    done = _run(f"""
-        from pathlib import Path
-        import os, torch
-        import torch.distributed.checkpoint as dcp
-        from dcp_datastates import DataStatesWriter, Engine
-        from dcp_datastates.jobs.copy import copy_checkpoint
-
-        class TruncatingEngine(Engine):
-            def compute(self, fn, *args, **kw):
-                if fn.__name__ == "_check":  # the source is mapped: cut it short now
-                    for f in Path({str(tmp_path)!r}, "src").glob("*.safetensors"):
-                        os.truncate(f, 0)
-                return super().compute(fn, *args, **kw)
-
-        with TruncatingEngine(host_cache_size="8MiB", io_backend="threads") as engine:
-            dcp.save({{"w": torch.arange(1 << 20)}}, checkpoint_id={str(tmp_path / "src")!r},
-                     storage_writer=DataStatesWriter(engine=engine), no_dist=True)
-            try:
-                copy_checkpoint(engine, Path({str(tmp_path / "src")!r}),
-                                Path({str(tmp_path / "dst")!r}))
-            except Exception as exc:
-                print("failed:", exc)
-    """)
-    assert done.returncode == 0, f"the process died (rc {done.returncode}): {done.stderr}"
-    assert "failed:" in done.stdout and ".safetensors" in done.stdout, done.stdout
-
-
 def test_a_snapshot_with_empty_tensors_partly_in_pageable_memory_saves_and_verifies(
         tmp_path: Path, make_engine) -> None:
     """Some copies in the lease (their checksums the save job's), the rest staged in pageable
@@ -211,51 +148,3 @@ def test_a_process_hand_off_does_not_wait_for_the_snapshots_checksums() -> None:
     assert engine.live_leases() == 0
 
 
-class HeldChecksEngine(Engine):
-    """An engine whose copy checks (a persist's verification) wait for ``gate``; records
-    whether each was sent to the background threads."""
-
-    def __init__(self, **kw: object) -> None:
-        super().__init__(**kw)
-        self.gate = threading.Event()
-        self.backgrounds: list[bool] = []
-
-    def compute(self, fn: Callable, *args: object, background: bool = False) -> Future:
-        if fn.__name__ != "_check":
-            return super().compute(fn, *args, background=background)
-        self.backgrounds.append(background)
-
-        def held() -> object:
-            self.gate.wait(TIMEOUT)
-            return fn(*args)
-        return super().compute(held, background=background)
-
-
-def test_a_save_commits_while_a_persists_checks_are_held(tmp_path: Path) -> None:
-    """A persist's verification runs on threads of its own: a save's checksums (its commit)
-    do not queue behind it on the checksum threads."""
-    engine = HeldChecksEngine(host_cache_size="8MiB", io_backend="threads", io_workers=1)
-    copying = None
-    try:
-        first = _square_state()
-        dcp.save(first, checkpoint_id=tmp_path / "src", no_dist=True,
-                 storage_writer=DataStatesWriter(engine=engine))
-        copying = threading.Thread(target=copy_checkpoint,
-                                   args=(engine, tmp_path / "src", tmp_path / "dst"))
-        copying.start()
-        second = {"m": rand_tensor((512, 512), torch.float32, seed=9)}
-        saving = threading.Thread(target=dcp.save, args=(second,), kwargs=dict(
-            checkpoint_id=tmp_path / "next", no_dist=True,
-            storage_writer=DataStatesWriter(engine=engine)))
-        saving.start()
-        saving.join(TIMEOUT / 2)
-        assert not saving.is_alive(), "the save waited for the persist's checks"
-        assert engine.backgrounds and all(engine.backgrounds), engine.backgrounds
-        assert copying.is_alive()  # its checks are still held
-        assert_state_equal(load_into(clone_state(second), tmp_path / "next"), second)
-    finally:
-        engine.gate.set()
-        if copying is not None:
-            copying.join(TIMEOUT)
-        engine.close()
-    assert cli.main(["verify", "-q", str(tmp_path / "dst")]) == 0

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import MARKS, assert_state_equal, clone_state, data_files, load_into, rand_tensor
-from fakes import FaultyBackend
+from helpers import MARKS, assert_state_equal, clone_state, data_files, load_into, rand_tensor
+from helpers.fakes import FaultyBackend
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, Engine

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import MARKS, assert_state_equal, clone_state, load_into
-from fakes import HeldSettles
+from helpers import MARKS, assert_state_equal, clone_state, load_into
+from helpers.fakes import HeldSettles
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal, blank_like, clone_state, rand_tensor
+from helpers import assert_state_equal, blank_like, clone_state, rand_tensor
 
 from dcp_datastates import DataStatesReader
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, load_into
+from helpers import MARKS, load_into
 
 from dcp_datastates.metadata_file import read_metadata
 from dcp_datastates.tiers.steps import committed_steps
@@ -22,7 +22,7 @@ JOB = Path(__file__).with_name("teardown_job.py")
 
 @pytest.mark.parametrize("run", range(3))
 def test_destroyed_group_never_commits_part_of_the_ranks(tmp_path: Path, run: int) -> None:
-    env = {**os.environ, "PYTHONPATH": str(JOB.parent.parent)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(JOB.parents[2]), str(JOB.parents[1])])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(JOB), str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=env)
@@ -38,7 +38,7 @@ def test_destroyed_group_never_commits_part_of_the_ranks(tmp_path: Path, run: in
 def test_destroyed_group_keeps_each_ranks_own_saves(tmp_path: Path) -> None:
     """Saves that are each rank's own checkpoint (``no_dist=True``, a manager's memory tier)
     need no process group: destroyed while they are in flight, they still commit."""
-    env = {**os.environ, "PYTHONPATH": str(JOB.parent.parent)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(JOB.parents[2]), str(JOB.parents[1])])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(JOB), str(tmp_path), "own"],
                           capture_output=True, text=True, timeout=120, env=env)

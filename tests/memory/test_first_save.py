@@ -1,6 +1,6 @@
 """The first save of a process never waits for the host cache to be made.
 
-The engine's ``make_arena`` is a :class:`~fakes.SlowArena`: the snapshot cache is made only
+The engine's ``make_arena`` is a :class:`~helpers.fakes.SlowArena`: the snapshot cache is made only
 once the test sets its gate. Every wait here is on an event, none on a wall clock.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import (
+from helpers import (
     MARKS,
     assert_state_equal,
     clone_state,
@@ -21,7 +21,7 @@ from conftest import (
     rand_tensor,
     save,
 )
-from fakes import SlowArena
+from helpers.fakes import SlowArena
 
 from dcp_datastates import CheckpointError, DataStatesWriter, Engine, guard
 from dcp_datastates.arenas import Memory

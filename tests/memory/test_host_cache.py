@@ -1,12 +1,13 @@
-"""Unit tests: the host cache (arenas, pools, leases, the engine's sizing), the data-file
-layout and header checks, size strings."""
+"""The host cache: arenas (page-aligned, populated piecewise, over a file or anonymous), pools,
+leases, and the engine's sizing of its cache."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -15,21 +16,17 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing
-from conftest import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
+from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
 
-from dcp_datastates import CheckpointCorruptError, DataStatesWriter, parse_size
-from dcp_datastates.file_format import (
-    LARGE_ITEM_BYTES,
-    PAD_PREFIX,
-    ItemSpec,
-    plan_layout,
-    read_header,
-)
+from dcp_datastates import DataStatesWriter, parse_size
+from dcp_datastates.align import ALIGN
+from dcp_datastates.file_format import LARGE_ITEM_BYTES
 from dcp_datastates.host_cache import Arena, Lease, Pool
 from dcp_datastates.sizes import format_size
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 4096
+TIMEOUT = 60
 
 pytestmark = MARKS
 
@@ -345,143 +342,36 @@ def test_direct_io_save_under_file_system_sharing_strategy(
     assert_state_equal(load_into(expected, tmp_path, io_backend="threads"), expected)
 
 
-# -- file layout ---------------------------------------------------------------------------------
-def _spec(name: str, dtype: torch.dtype | None, n: int) -> ItemSpec:
-    size = 1 if dtype is None else torch.empty((), dtype=dtype).element_size()
-    return ItemSpec(name, dtype, (n,), n * size)
+# -- an arena over a file ----------------------------------------------------------------------
+def _run(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter (a SIGBUS there fails the test, not the suite)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=Path.cwd(),
+                          capture_output=True, text=True, timeout=TIMEOUT)
 
 
-def test_plan_layout_alignment() -> None:
-    items = [
-        _spec("small_u8", torch.uint8, 3),
-        _spec("large_odd", torch.float32, LARGE_ITEM_BYTES // 4 + 1),
-        _spec("small_f64", torch.float64, 5),
-        _spec("bytes", None, 77),
-        _spec("large_even", torch.bfloat16, LARGE_ITEM_BYTES),
-        _spec("small_f16", torch.float16, 3),
-        _spec("empty", torch.int32, 0),
-    ]
-    layout = plan_layout(items)
-    assert layout.data_start % PAGE == 0
-    where = {p.spec.name: p for p in layout.placements if p.spec is not None}
-    assert set(where) == {i.name for i in items}
-    for name in ("large_odd", "large_even"):
-        assert (layout.data_start + where[name].begin) % PAGE == 0, name
-    for p in layout.placements:  # small items naturally aligned
-        if p.spec is not None and p.spec.dtype is not None:
-            assert p.begin % torch.empty((), dtype=p.spec.dtype).element_size() == 0
-    # Bytes items come last, starting on a block of their own (their size is known late).
-    assert (layout.data_start + where["bytes"].begin) % PAGE == 0
-    assert all(p.end <= where["bytes"].begin for n, p in where.items() if n != "bytes")
-    # Contiguous tiling, padding entries only after large items and before the bytes items.
-    cursor = 0
-    for k, p in enumerate(layout.placements):
-        assert p.begin == cursor
-        cursor = p.end
-        if p.spec is None:
-            before = layout.placements[k - 1].spec
-            after = layout.placements[k + 1].spec
-            assert before.nbytes >= LARGE_ITEM_BYTES or after.dtype is None, (before, after)
-    assert layout.file_size == layout.data_start + cursor
-    # The header is what safetensors reads.
-    (n,) = struct.unpack("<Q", layout.header[:8])
-    header = json.loads(layout.header[8 : 8 + n])
-    pads = [k for k in header if k.startswith(PAD_PREFIX)]
-    assert len(pads) == 2 and all(header[k]["dtype"] == "U8" for k in pads)
-    assert header["large_odd"] == {
-        "dtype": "F32", "shape": [LARGE_ITEM_BYTES // 4 + 1],
-        "data_offsets": [where["large_odd"].begin, where["large_odd"].end],
-    }
-    assert json.loads(header["__metadata__"]["raw_items"]) == {"bytes": "pickle"}
-
-
-def test_plan_layout_rejects_duplicate_names() -> None:
-    with pytest.raises(ValueError, match=r"share the file entry name\(s\) \['x'\]"):
-        plan_layout([_spec("x", torch.uint8, 1), _spec("x", torch.int8, 2)])
-
-
-# -- read_header ---------------------------------------------------------------------------------
-PATH = "/ckpt/__0_abc.safetensors"
-
-
-def _file(header: object, data_len: int = 16, raw: bytes | None = None) -> bytes:
-    body = raw if raw is not None else json.dumps(header).encode()
-    return struct.pack("<Q", len(body)) + body + bytes(data_len)
-
-
-def test_read_header_accepts_a_layout() -> None:
-    layout = plan_layout([_spec("a", torch.float32, 10), _spec("b", torch.int8, 3)])
-    content = layout.header + bytes(layout.file_size - layout.data_start)
-    start, header = read_header(content, PATH, len(content))
-    assert start == layout.data_start
-    assert header["a"]["data_offsets"] == [0, 40]
-
-
-def test_read_header_rejects_huge_length() -> None:
-    content = struct.pack("<Q", 2**60) + b"{}"
-    with pytest.raises(CheckpointCorruptError, match=rf"{PATH}: header length {2**60} is imposs"):
-        read_header(content, PATH, len(content))
-
-
-def test_read_header_rejects_length_past_the_file() -> None:
-    content = _file({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}})
-    with pytest.raises(CheckpointCorruptError, match=rf"{PATH}: header length \d+ is impossible"):
-        read_header(content[:20], PATH, 20)
-
-
-def test_read_header_rejects_offsets_past_the_end() -> None:
-    content = _file({"a": {"dtype": "U8", "shape": [17], "data_offsets": [0, 17]}}, data_len=16)
-    with pytest.raises(
-        CheckpointCorruptError,
-        match=rf"{PATH} is truncated: item 'a' needs bytes 70\.\.87, the file has 86",
-    ):
-        read_header(content, PATH, len(content))
-
-
-@pytest.mark.parametrize("offsets", [[5, 2], [-1, 3], [0], "0-4", [0, 1.5]])
-def test_read_header_rejects_bad_offsets(offsets) -> None:
-    content = _file({"a": {"dtype": "U8", "shape": [1], "data_offsets": offsets}})
-    with pytest.raises(CheckpointCorruptError, match=rf"{PATH}: entry 'a' has data offsets"):
-        read_header(content, PATH, len(content))
-
-
-@pytest.mark.parametrize(
-    ("raw", "message"),
-    [
-        (b'{"a": ', "header is not valid UTF-8 JSON"),
-        (b'{"a": "\xff\xfe"}', "header is not valid UTF-8 JSON"),
-        (b"[1, 2, 3]", "header is not a JSON object"),
-    ],
-)
-def test_read_header_rejects_bad_json(raw: bytes, message: str) -> None:
-    content = _file(None, raw=raw)
-    with pytest.raises(CheckpointCorruptError, match=rf"{PATH}: {message}"):
-        read_header(content, PATH, len(content))
-
-
-def test_read_header_rejects_short_file() -> None:
-    with pytest.raises(CheckpointCorruptError, match=rf"{PATH}: file too short \(5 bytes\)"):
-        read_header(b"\x01\x02\x03\x04\x05", PATH, 5)
-
-
-# -- sizes ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("text", "nbytes"),
-    [(4096, 4096), ("4096", 4096), ("16GiB", 16 << 30), ("512 MiB", 512 << 20),
-     ("1.5KiB", 1536), ("2gb", 2 * 10**9), ("7B", 7), ("0", 0)],
-)
-def test_parse_size(text, nbytes: int) -> None:
-    assert parse_size(text) == nbytes
-
-
-@pytest.mark.parametrize("text", ["12 parsecs", "GiB", "1e3", "-5", "1.2.3MiB", ""])
-def test_parse_size_rejects(text: str) -> None:
-    with pytest.raises(ValueError, match=rf"cache={text!r} is not a size"):
-        parse_size(text, name="cache")
-
-
-def test_parse_size_rejects_negative_and_bool() -> None:
-    with pytest.raises(ValueError, match="must not be negative"):
-        parse_size(-1)
-    with pytest.raises(TypeError, match="must be an int or a string"):
-        parse_size(True)
+def test_an_arena_over_a_file_shorter_than_it_is_refused_naming_the_file(
+        tmp_path: Path) -> None:
+    """Pages past a file's end fault with SIGBUS when touched (a copy into the arena would
+    kill the process): the arena refuses such a file when it is made."""
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * ALIGN)
+    done = _run(f"""
+        import os
+        from dcp_datastates.host_cache import Arena
+        fd = os.open({str(path)!r}, os.O_RDWR)
+        try:
+            arena = Arena(1 << 20, {str(path)!r}, fd=fd)
+        except ValueError as exc:
+            print("refused:", exc)
+        else:
+            arena.tensor[-1] = 1
+            print("touched")
+    """)
+    assert done.returncode == 0, f"the process died (rc {done.returncode}): {done.stderr}"
+    assert "refused:" in done.stdout and str(path) in done.stdout, done.stdout
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, ALIGN + 1)  # the page that holds the end is the file's: taken
+        Arena(2 * ALIGN, "a file that ends inside its last page", fd=fd).free()
+    finally:
+        os.close(fd)

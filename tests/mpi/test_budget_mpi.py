@@ -6,13 +6,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import mpi_util
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_state_equal, blank_like, rand_tensor
-from fakes import Costly, FakeClock
-from mpi_util import World, agree, collecting
+from helpers import assert_state_equal, blank_like, mpi_util, rand_tensor
+from helpers.fakes import Costly, FakeClock
+from helpers.mpi_util import World, agree, collecting
 
 from dcp_datastates import CheckpointManager, Engine
 

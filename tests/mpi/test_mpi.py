@@ -4,12 +4,12 @@ Run under MPI (plain ``pytest tests`` skips every test here), with -n 2 and with
 
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
         mpirun -n 2 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \\
-        tests/test_mpi.py tests/test_torchtitan_integration.py
+        tests/mpi/test_mpi.py tests/integrations/test_torchtitan_integration.py
 
 or under torchrun (pytest-mpi's plugin off, so the ``mpi`` marker does not skip)::
 
     torchrun --standalone --nproc-per-node 2 -m pytest -q -p no:cacheprovider -p no:pytest_mpi \\
-        tests/test_mpi.py
+        tests/mpi/test_mpi.py
 
 Every rank builds its state from the same seeds, so each rank can compute the single-process
 reference itself; checks compare full (gathered) tensors bit for bit. A rank that finds a
@@ -27,14 +27,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import mpi_util
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from mpi_util import World, agree, collecting, data_file_bytes
+from helpers import mpi_util
+from helpers.mpi_util import World, agree, collecting, data_file_bytes
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,

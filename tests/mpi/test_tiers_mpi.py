@@ -7,7 +7,7 @@ with -n 4::
 
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
         mpirun -n 2 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \\
-        tests/test_tiers_mpi.py
+        tests/mpi/test_tiers_mpi.py
 
 A rank that finds a problem reports it through ``agree``, so every rank fails together instead
 of leaving the others blocked in a collective of the managers.
@@ -23,13 +23,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import mpi_util
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal, blank_like, rand_tensor
-from mpi_util import World, agree, broadcast_object, collecting
+from helpers import assert_state_equal, blank_like, mpi_util, rand_tensor
+from helpers.mpi_util import World, agree, broadcast_object, collecting
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 

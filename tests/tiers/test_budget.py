@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from conftest import MARKS, Tiers, assert_state_equal, blank_like, rand_tensor
-from fakes import Costly, FakeClock, SlowGuardEngine
-from test_tiers import HoldWrites
+from helpers import MARKS, Tiers, assert_state_equal, blank_like, rand_tensor
+from helpers.fakes import Costly, FakeClock, SlowGuardEngine
+from helpers.tiers import HoldWrites
 
 from dcp_datastates import CheckpointManager, guard
 from dcp_datastates.io import ThreadPoolBackend

@@ -9,10 +9,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import MARKS, Tiers, assert_state_equal, blank_like
-from fakes import FaultyBackend
-from test_tiers import HoldWrites, make_state
-from test_tiers_restart import tier_files
+from helpers import MARKS, Tiers, assert_state_equal, blank_like
+from helpers.fakes import FaultyBackend
+from helpers.tiers import HoldWrites, make_state, tier_files
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.io import ThreadPoolBackend

@@ -9,7 +9,7 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
-from conftest import MARKS
+from helpers import MARKS
 
 from dcp_datastates.tiers.handles import SaveHandle
 from dcp_datastates.tiers.ranks import Ranks

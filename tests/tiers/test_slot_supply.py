@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import MARKS, Tiers, assert_state_equal, blank_like, mounted_tmpfs
-from fakes import FakeClock, HeldPinEngine
-from test_tiers import make_state, wait_until
+from helpers import MARKS, Tiers, assert_state_equal, blank_like, mounted_tmpfs
+from helpers.fakes import FakeClock, HeldPinEngine
+from helpers.tiers import make_state, wait_until
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.tiers.slots import NextSlot, SlotPool

@@ -3,7 +3,7 @@ persists, retention, restores from the fastest tier, a full memory tier, and rec
 ``kill -9`` (after a memory commit, and in the middle of a persist).
 
 The memory tier lives under /dev/shm, the durable tier on disk (so persists take the O_DIRECT
-path). Multi-rank cases (peer replicas, job-wide durable checkpoints) are in test_tiers_mpi.py.
+path). Multi-rank cases (peer replicas, job-wide durable checkpoints) are in mpi/test_tiers_mpi.py.
 """
 
 from __future__ import annotations
@@ -11,18 +11,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
-import textwrap
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import (
+from helpers import (
     MARKS,
     Tiers,
     assert_state_equal,
@@ -31,49 +27,29 @@ from conftest import (
     data_files,
     load_into,
     raises_in_dcp,
-    rand_tensor,
-    run_then_kill,
 )
-from fakes import FaultyBackend
+from helpers.fakes import FaultyBackend
+from helpers.tiers import (
+    HoldWrites,
+    flip_payload_byte,
+    make_state,
+    manager_logs,
+    restored_from,
+    run_and_kill,
+    steps_in,
+    wait_until,
+)
 
-import dcp_datastates
 from dcp_datastates import CheckpointManager, Engine, TierFullError, guard
-from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
-from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.tiers.claims import LOCK_NAME as TIER_LOCK
 
-TESTS = Path(__file__).resolve().parent
-ROOT = Path(dcp_datastates.__file__).resolve().parents[1]
 MiB = 1 << 20
 
 pytestmark = MARKS
 
 
-# -- states --------------------------------------------------------------------------------------
-def make_state(seed: int, big: int = 0) -> dict:
-    """A training-like state: tensors of random bit patterns (several dtypes) and plain values;
-    ``big`` adds a uint8 tensor of that many bytes."""
-    state = {
-        "model": {"w": rand_tensor((48, 40), torch.float32, seed),
-                  "b": rand_tensor((40,), torch.bfloat16, seed + 1)},
-        "optim": {"step": torch.tensor(seed, dtype=torch.int64),
-                  "exp_avg": rand_tensor((48, 40), torch.float32, seed + 2)},
-        "extra": {"step": seed, "tag": f"after-{seed}", "lr": 1.0 / (seed + 3),
-                  "ids": [seed, seed + 1]},
-    }
-    if big:
-        state["big"] = rand_tensor((big,), torch.uint8, seed + 3)
-    return state
-
-
-def steps_in(root: Path) -> list[int]:
-    """Committed steps (``step_<N>`` with a ``.metadata``) under ``root``."""
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name[5:]) for p in root.iterdir()
-                  if re.fullmatch(r"step_\d+", p.name) and (p / ".metadata").is_file())
-
-
+# -- files of the tiers ------------------------------------------------------------------------
 def dirs_in(root: Path) -> list[str]:
     """Entries of ``root``, less the memory tier's slot directory (``.slots.<pid>``) and the
     tier's lock file."""
@@ -83,84 +59,14 @@ def dirs_in(root: Path) -> list[str]:
                   if not p.name.startswith(".slots.") and p.name != TIER_LOCK)
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
-def manager_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "dcp_datastates"]
-
-
-def restored_from(caplog: pytest.LogCaptureFixture, step: int) -> list[str]:
-    """The tiers the log says ``step`` was restored from (in order)."""
-    pat = re.compile(rf"restored step {step} from the (\w+) tier")
-    return [m.group(1) for line in manager_logs(caplog) if (m := pat.search(line))]
-
-
 def tier_files(root: Path) -> dict[str, bytes]:
     """Every file under ``root`` (relative path: contents)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-def flip_payload_byte(directory: Path, fqn: str) -> None:
-    """Flip one byte of item ``fqn`` in its data file (sizes stay right: only checksums tell)."""
-    loc = next(v for k, v in read_metadata(directory).storage_data.items() if k.fqn == fqn)
-    path = directory / loc.file
-    with open(path, "r+b") as f:
-        f.seek(loc.offset + 3)
-        byte = f.read(1)
-        f.seek(loc.offset + 3)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def truncate_data_file(directory: Path) -> None:
     (path,) = data_files(directory)
     os.truncate(path, path.stat().st_size // 2)
-
-
-# -- an I/O backend that holds writes to the durable tier ----------------------------------------
-class HoldWrites:
-    """An IOBackend over a real one whose writes to files under ``prefix`` wait for ``gate``
-    (after the first ``let_through`` of them); ``held`` is set when one waits. Writes to the
-    memory tier pass, so saves commit while a persist is stuck."""
-
-    def __init__(self, inner: IOBackend, prefix: Path | str, *, let_through: int = 0) -> None:
-        self.inner = inner
-        self.name = f"hold({inner.name})"
-        self.prefix = str(prefix).rstrip("/") + "/"
-        self.let_through = let_through
-        self.gate = threading.Event()
-        self.held = threading.Event()
-        self.durable_writes = 0
-        self._lock = threading.Lock()
-
-    def write(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
-        if path.startswith(self.prefix):
-            with self._lock:
-                self.durable_writes += 1
-                hold = self.durable_writes > self.let_through
-            if hold:
-                self.held.set()
-                self.gate.wait()
-        self.inner.write(fd, path, reqs)
-
-    def register(self, addr: int, nbytes: int) -> None:
-        self.inner.register(addr, nbytes)
-
-    def unregister(self, addr: int, nbytes: int) -> None:
-        self.inner.unregister(addr, nbytes)
-
-    def read(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
-        self.inner.read(fd, path, reqs)
-
-    def fsync(self, fd: int, path: str) -> None:
-        self.inner.fsync(fd, path)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -185,43 +91,6 @@ def held_engine(tiers: Tiers) -> Iterator[tuple[Engine, HoldWrites]]:
 
 
 # -- kill -9 -------------------------------------------------------------------------------------
-_CHILD = textwrap.dedent(
-    """
-    import sys, time
-    sys.path.insert(0, {tests!r})
-    from test_tiers import HoldWrites, make_state
-    from dcp_datastates import CheckpointManager, Engine
-    from dcp_datastates.io import ThreadPoolBackend
-
-    mode, memory, durable = sys.argv[1:4]
-    step, big = int(sys.argv[4]), int(sys.argv[5])
-    if mode == "commit":  # a memory commit, never persisted
-        engine = Engine(io_backend="threads", host_cache_size="8MiB")
-        manager = CheckpointManager(durable, memory_dir=memory, persist=None, engine=engine)
-        handle = manager.save(step, make_state(step, big))
-        handle.committed.result(timeout=60)
-        print("COMMITTED", flush=True)
-    else:  # "persist": a persist that has written part of the data file, then stalls
-        hold = HoldWrites(ThreadPoolBackend(), durable, let_through=2)
-        engine = Engine(io_backend=hold, host_cache_size="8MiB")
-        manager = CheckpointManager(durable, memory_dir=memory, persist="idle", engine=engine)
-        handle = manager.save(step, make_state(step, big))
-        handle.committed.result(timeout=60)
-        assert handle.persisted is not None, "the persist should have started"
-        assert hold.held.wait(60), "the persist never reached the durable tier"
-        print("PERSISTING", flush=True)
-    time.sleep(600)  # the test kills us
-    """
-)
-
-
-def run_and_kill(mode: str, tiers: Tiers, step: int, big: int, marker: str) -> None:
-    """Run the child until it prints ``marker``, then SIGKILL it."""
-    run_then_kill([sys.executable, "-c", _CHILD.format(tests=str(TESTS)), mode,
-                   str(tiers.memory), str(tiers.durable), str(step), str(big)],
-                  marker, tiers.scratch / f"child_{mode}.err", ROOT)
-
-
 def test_kill_after_memory_commit_then_restore_and_persist(tiers: Tiers, engine: Engine,
                                                            logs) -> None:
     """A process killed right after a memory commit: a new process restores that checkpoint

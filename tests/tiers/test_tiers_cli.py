@@ -22,10 +22,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, Tiers, assert_state_equal, data_files, load_into, raises_in_dcp
-from test_tiers import ROOT, TESTS, make_state, run_and_kill, steps_in
+from helpers import (
+    MARKS,
+    ROOT,
+    TESTS,
+    Tiers,
+    assert_state_equal,
+    data_files,
+    load_into,
+    raises_in_dcp,
+)
+from helpers.tiers import make_state, persist, run_and_kill, run_cli, steps_in
 
-from dcp_datastates import CheckpointManager, Engine, cli
+from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.metadata_file import read_metadata
 from dcp_datastates.tiers.steps import name_steps
 
@@ -37,22 +46,6 @@ pytestmark = MARKS
 @pytest.fixture
 def engine(make_engine) -> Engine:
     return make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=4)
-
-
-def persist(capsys: pytest.CaptureFixture[str], engine: Engine, *args: object) -> tuple[int, str,
-                                                                                         str]:
-    """``persist ARGS`` through ``cli.main`` in this process: exit code, stdout, stderr."""
-    code = cli.main(["persist", *map(str, args)], engine=engine)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env["DCP_DATASTATES_IO"] = "threads"
-    return subprocess.run([sys.executable, "-m", "dcp_datastates", "persist", *map(str, args)],
-                          capture_output=True, text=True, timeout=120, env=env)
 
 
 def same_files(a: Path, b: Path) -> None:
@@ -260,7 +253,7 @@ _RANK_CHILD = textwrap.dedent(
     """
     import sys
     import time
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests!r} + "/tiers"]
     import torch.distributed as dist
     from test_tiers_cli import rank_state
     from dcp_datastates import CheckpointManager, Engine

@@ -24,17 +24,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS, Tiers, assert_state_equal, blank_like, load_into, rand_tensor
-from test_tiers import (
+from helpers import (
+    MARKS,
     ROOT,
+    Tiers,
+    assert_state_equal,
+    blank_like,
+    load_into,
+    rand_tensor,
+)
+from helpers.tiers import (
     HoldWrites,
     flip_payload_byte,
     make_state,
     manager_logs,
+    persist,
     restored_from,
+    run_cli,
     steps_in,
 )
-from test_tiers_cli import persist, run_cli
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,

@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import (
+from helpers import (
     MARKS,
     Tiers,
     assert_state_equal,
@@ -24,8 +23,8 @@ from conftest import (
     load_into,
     rand_tensor,
 )
-from fakes import FakeClock, FaultyBackend
-from test_tiers import make_state, steps_in
+from helpers.fakes import FakeClock, FaultyBackend
+from helpers.tiers import FailFsync, make_state, save_through, steps_in
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import (
@@ -35,7 +34,7 @@ from dcp_datastates import (
     Engine,
     TierFullError,
 )
-from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend
+from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.tiers.manager import HISTORY_KEPT
 
 MiB = 1 << 20
@@ -212,52 +211,6 @@ def test_slot_reuse_with_layouts_that_change(tiers: Tiers, engine: Engine,
 
 
 # -- a save that fails after its slot became the data file --------------------------------------
-def save_through(manager: CheckpointManager, io: FailFsync, step: int, state: dict) -> bool:
-    """Save ``state`` at ``step`` and wait for it and the manager; while ``io`` is failing
-    both raise the injected error. Whether the save was committed."""
-    handle = manager.save(step, state)
-    if io.failing:
-        with pytest.raises(OSError, match="injected EIO"):
-            handle.result(timeout=30)
-        with pytest.raises(OSError, match="injected EIO"):
-            manager.wait()
-        return False
-    handle.result(timeout=30)
-    manager.wait()
-    return True
-
-
-class FailFsync:
-    """An IOBackend over a real one whose fsyncs of files under ``prefix`` fail while
-    ``failing`` is set."""
-
-    def __init__(self, inner: IOBackend, prefix: Path) -> None:
-        self.inner = inner
-        self.name = f"failfsync({inner.name})"
-        self.prefix = str(prefix).rstrip("/") + "/"
-        self.failing = False
-
-    def write(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
-        self.inner.write(fd, path, reqs)
-
-    def read(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
-        self.inner.read(fd, path, reqs)
-
-    def register(self, addr: int, nbytes: int) -> None:
-        self.inner.register(addr, nbytes)
-
-    def unregister(self, addr: int, nbytes: int) -> None:
-        self.inner.unregister(addr, nbytes)
-
-    def fsync(self, fd: int, path: str) -> None:
-        if self.failing and path.startswith(self.prefix):
-            raise OSError(5, "injected EIO", path)
-        self.inner.fsync(fd, path)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:
     """A save whose data file fails (after its slot was renamed into the step directory) fails
     alone: the steps committed before stay loadable, the next saves go into slots again, and

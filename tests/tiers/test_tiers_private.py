@@ -21,9 +21,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import MARKS, Tiers
-from test_tiers import ROOT, make_state, steps_in
-from test_tiers_cli import persist
+from helpers import MARKS, ROOT, Tiers
+from helpers.tiers import make_state, persist, steps_in
 
 from dcp_datastates import CheckpointError, CheckpointManager, Engine
 from dcp_datastates.tiers.claims import claimed, claimed_durable
@@ -222,7 +221,7 @@ _UNPRIVILEGED = textwrap.dedent(
     import os, sys
     from dcp_datastates import CheckpointError, CheckpointManager, Engine
     sys.path.insert(0, {tests!r})
-    from test_tiers import make_state
+    from helpers.tiers import make_state
 
     case, durable, memory = sys.argv[1], sys.argv[2], sys.argv[3]
     engine = Engine(io_backend="threads", host_cache_size="8MiB")
@@ -254,7 +253,7 @@ _UNPRIVILEGED = textwrap.dedent(
 def run_unprivileged(case: str, durable: Path, memory: Path) -> list[str]:
     """Run ``case`` of the script above as a process subject to file permissions (as root:
     without the capabilities that override them); its output lines."""
-    argv = [sys.executable, "-c", _UNPRIVILEGED.format(tests=str(Path(__file__).parent)),
+    argv = [sys.executable, "-c", _UNPRIVILEGED.format(tests=str(Path(__file__).parents[1])),
             case, str(durable), str(memory)]
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import MARKS, Tiers, assert_state_equal, blank_like, clone_state, load_into, save
+from helpers import MARKS, Tiers, assert_state_equal, blank_like, clone_state, load_into, save
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.jobs.commit import commit, committed_by

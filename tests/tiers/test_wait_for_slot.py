@@ -3,8 +3,10 @@ waits for its slot instead, on the engine's staging thread, and copies straight 
 training's guard then waits about one commit, not for a slow copy.
 
 The decision (:func:`~dcp_datastates.aside.fits_on_gpu`) is fed fake sizes; the staging path
-runs on CPU tensors through an engine that finds no GPU room (``fakes.NoGpuRoomEngine``).
-Every wait is on an event or a log line, none on a wall clock threshold.
+runs on CPU tensors through an engine that finds no GPU room (``helpers.fakes.NoGpuRoomEngine``).
+Every wait is on an event or a log line, none on a wall clock threshold. While one manager's
+save waits there for its slot, the saves of another manager on the same engine wait behind it,
+and the log says so.
 """
 
 from __future__ import annotations
@@ -14,10 +16,18 @@ import threading
 
 import pytest
 import torch
-from conftest import MARKS, Tiers, assert_state_equal, blank_like
-from fakes import FakeGpuSource, NoGpuRoomEngine
-from test_tiers import HoldWrites, make_state
-from test_tiers_restart import tier_files
+from helpers import MARKS, Tiers, assert_state_equal, blank_like
+from helpers.fakes import FakeGpuSource, NoGpuRoomEngine
+from helpers.tiers import (
+    ASIDE,
+    TIMEOUT,
+    WAITS,
+    HoldWrites,
+    _messages,
+    _wait_until,
+    make_state,
+    tier_files,
+)
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.aside import fits_on_gpu
@@ -25,9 +35,6 @@ from dcp_datastates.io import ThreadPoolBackend
 
 pytestmark = MARKS
 MiB, GiB = 1 << 20, 1 << 30
-TIMEOUT = 60
-WAITS = "the snapshot waits for it"
-ASIDE = "the snapshot waits aside meanwhile"
 
 
 def _mem_info(free: dict[int, int], total: int = 80 * GiB):
@@ -37,20 +44,6 @@ def _mem_info(free: dict[int, int], total: int = 80 * GiB):
 
 def _never_asked(device: int) -> tuple[int, int]:
     raise AssertionError(f"device {device} asked for its memory")
-
-
-def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
-
-
-def _wait_until(done) -> None:
-    """Wait for ``done()`` (nothing signals it); fail after ``TIMEOUT``."""
-    stop = threading.Event()
-    for _ in range(TIMEOUT * 100):
-        if done():
-            return
-        stop.wait(0.01)
-    raise AssertionError("never happened")
 
 
 # -- the decision ---------------------------------------------------------------------------------
@@ -121,3 +114,46 @@ def test_a_save_with_every_slot_in_use_waits_for_its_slot_instead_of_aside(
         leases = made.live_leases()
         made.close()
     assert leases == 0
+
+
+def test_a_save_waiting_for_its_slot_holds_up_another_managers_saves_and_says_so(
+        tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
+    """Two managers on one engine share its staging thread: while manager A's save waits
+    there for a slot (A's commits held), manager B's save cannot even start its snapshot,
+    for as long as A's wait lasts (unbounded: until A's slot comes). The wait's log line
+    says so; once A's slot comes both go on and nothing stays leased."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
+    engine = NoGpuRoomEngine(io_backend=hold, host_cache_size="8MiB", io_workers=2)
+    a = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None, engine=engine)
+    b = CheckpointManager(memory_dir=tiers.scratch, keep_memory=1, persist=None, engine=engine)
+    try:
+        try:
+            handles = [a.save(s, make_state(s, big=MiB + 3)) for s in range(1, 6)]
+            waiting = _wait_for_log(caplog, "the snapshot waits for it")
+            assert "saves staged after it wait too" in waiting
+            other = b.save(1, make_state(7))
+            with pytest.raises(TimeoutError):  # held behind A's wait, not failed
+                other.staged.result(timeout=0.5)
+        finally:
+            hold.gate.set()
+        other.result(timeout=TIMEOUT)
+        for handle in handles:
+            handle.result(timeout=TIMEOUT)
+    finally:
+        hold.gate.set()
+        a.close()
+        b.close()
+        leases = engine.live_leases()
+        engine.close()
+    assert leases == 0
+
+
+def _wait_for_log(caplog: pytest.LogCaptureFixture, text: str) -> str:
+    stop = threading.Event()
+    for _ in range(TIMEOUT * 100):
+        found = [r.getMessage() for r in caplog.records if text in r.getMessage()]
+        if found:
+            return found[0]
+        stop.wait(0.01)
+    raise AssertionError(f"never logged: {text}")
