@@ -17,14 +17,15 @@ WAIT_APT_LISTS := $(SUDO) timeout 600 $(PYTHON) -c 'import fcntl; \
 	fcntl.lockf(open("$(APT_LISTS_LOCK)", "a"), fcntl.LOCK_EX)' || true
 SHIM := dcp_datastates/_lib/libdcp_uring.so
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 600 mpirun --oversubscribe
-MPI_TESTS := tests/test_mpi.py tests/test_torchtitan_integration.py tests/test_tiers_mpi.py \
-             tests/test_budget_mpi.py
+MPI_TESTS := tests/mpi/test_mpi.py tests/integrations/test_torchtitan_integration.py \
+             tests/mpi/test_tiers_mpi.py tests/mpi/test_budget_mpi.py
 # torchtitan 0.2.x (pure Python, pinned, with the one package its checkpointer and trainer import
 # that .venv lacks): installed beside torchtitan 0.3.0, put first on PYTHONPATH by a second run
 # of the torchtitan tests
 TITAN02 := $(VENV)/torchtitan-0.2.2
 TITAN02_PACKAGES := torchtitan==0.2.2 torchdata==0.11.0
-TITAN_TESTS := tests/test_torchtitan_integration.py tests/test_torchtitan_trainer.py
+TITAN_TESTS := tests/integrations/test_torchtitan_integration.py \
+               tests/integrations/test_torchtitan_trainer.py
 WITH_TITAN02 := PYTHONPATH=$(abspath $(TITAN02))
 
 .PHONY: setup mpi native demo test test-mpi test-package lint bench clean distclean FORCE
@@ -81,7 +82,7 @@ test: native lint
 test-mpi: native mpi
 	$(MPIRUN) -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
 	$(WITH_TITAN02) $(MPIRUN) -x PYTHONPATH -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider \
-		--with-mpi tests/test_torchtitan_integration.py
+		--with-mpi tests/integrations/test_torchtitan_integration.py
 	$(MPIRUN) -n 4 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
 
 ## test-package: build the sdist and wheel, install them (and `pip install .`) into fresh venvs

@@ -32,7 +32,8 @@ def test_multinode_page_makes_one_engine_per_rank() -> None:
 
 def test_torchtitan_page_says_what_a_full_memory_tier_does() -> None:
     """A save the memory tier has no room for fails with TierFullError, logged, and training
-    goes on (tests/test_torchtitan_integration.py); it is not one of the budget's skips."""
+    goes on (tests/integrations/test_torchtitan_integration.py); it is not one of the budget's
+    skips."""
     text = (ROOT / "docs" / "torchtitan.md").read_text()
     (limit,) = [line for line in text.splitlines() if "memory_limit=" in line]
     assert "skipped" not in limit

@@ -1,17 +1,32 @@
 """Errors a new user meets, each saying what to do: an option that moved to the engine, a
-misspelt option, a state dict of another model, DCP's default reader on our checkpoint."""
+misspelt option, a state dict of another model, DCP's default reader on our checkpoint, an engine
+passed where the path goes, bad arguments of the engine and of O_DIRECT, an engine used after
+``close()``."""
 
 from __future__ import annotations
 
 import inspect
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal, blank_like, raises_in_dcp
+from helpers import (
+    MARKS,
+    assert_state_equal,
+    blank_like,
+    clone_state,
+    load_into,
+    raises_in_dcp,
+    rand_tensor,
+    save,
+)
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dcp_datastates import (
@@ -24,6 +39,8 @@ from dcp_datastates import (
 from dcp_datastates.mismatch import StateDictMismatchError
 
 HINT = "storage_reader=dcp_datastates.DataStatesReader()"
+
+pytestmark = MARKS
 
 
 def _make(cls: type, tmp_path: Path, **kw: object) -> object:
@@ -207,3 +224,147 @@ def test_a_url_is_refused_not_written_as_a_local_directory(
         assert not cls.validate_checkpoint_id(url)
     assert DataStatesWriter.validate_checkpoint_id(str(tmp_path / "s3"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    made = Engine(io_backend="threads", host_cache_size="8MiB", io_workers=2)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.mark.parametrize("cls", [DataStatesWriter, DataStatesReader, CheckpointManager])
+def test_an_engine_passed_positionally_says_engine_equals(cls: type, engine: Engine) -> None:
+    """``DataStatesWriter(engine)``: the engine went where the path goes; the error says to
+    pass it as ``engine=`` (not "expected str, bytes or os.PathLike object")."""
+    with pytest.raises(TypeError, match=r"engine=engine"):
+        cls(engine)
+
+
+def _state(seed: int = 0) -> dict:
+    return {
+        "w": rand_tensor((300, 257), torch.float32, seed=seed),
+        "b": rand_tensor((257,), torch.bfloat16, seed=seed + 1),
+        "cfg": {"lr": 0.1 * (seed + 1), "name": f"run{seed}"},
+    }
+
+
+def _checkpoint(tmp_path: Path, make_writer, seed: int = 0) -> tuple[Path, dict]:
+    directory = tmp_path / "ckpt"
+    state = _state(seed)
+    save(state, directory, make_writer())
+    return directory, clone_state(state)
+
+
+# -- bad arguments -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        ("12 parsecs", r"host_cache_size='12 parsecs' is not a size"),
+        ("", r"host_cache_size='' is not a size"),
+        ("-1MiB", r"host_cache_size='-1MiB' is not a size"),
+        (-4096, r"host_cache_size must not be negative, got -4096"),
+    ],
+)
+def test_bad_host_cache_size(size, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Engine(host_cache_size=size, io_backend="threads")
+
+
+def test_host_cache_size_type() -> None:
+    with pytest.raises(TypeError, match="host_cache_size must be an int or a string"):
+        Engine(host_cache_size=1.5, io_backend="threads")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"host_cache_size": "8KiB"}, r"host_cache_size must be at least 16 KiB, got '8KiB'"),
+        ({"host_cache_size": 8192}, r"host_cache_size must be at least 16 KiB, got 8192"),
+        ({"io_backend": "bogus"},
+         r"unknown I/O backend 'bogus'; valid names: auto, uring, threads"),
+        ({"io_workers": 0}, r"io_workers must be an integer >= 1, got 0"),
+        ({"io_workers": -3}, r"io_workers must be an integer >= 1, got -3"),
+        ({"io_workers": 2.0}, r"io_workers must be an integer >= 1, got 2\.0"),
+    ],
+)
+def test_engine_rejects_bad_arguments_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Engine(**{"host_cache_size": "1MiB", "io_backend": "threads", **kwargs}).close()
+
+
+def test_reader_rejects_unknown_io_backend(tmp_path: Path, make_writer) -> None:
+    directory, old = _checkpoint(tmp_path, make_writer)
+    message = r"unknown I/O backend 'bogus'; valid names: auto, uring, threads"
+    with pytest.raises((ValueError, CheckpointException), match=message):  # made, or used
+        load_into(old, directory, io_backend="bogus")
+
+
+def _tmpfs_dir() -> Path:
+    """A fresh directory on /dev/shm (skips the test where /dev/shm is not tmpfs)."""
+    with open("/proc/mounts") as f:
+        mounts = {fields[1]: fields[2] for fields in (line.split() for line in f)}
+    if mounts.get("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs mount here")
+    return Path(tempfile.mkdtemp(dir="/dev/shm", prefix="dcp_datastates_test_"))
+
+
+def test_direct_io_on_tmpfs_is_refused_at_construction(make_engine) -> None:
+    directory = _tmpfs_dir()
+    try:
+        path = directory / "ckpt"
+        with pytest.raises(ValueError, match=rf"{re.escape(str(directory))}.*tmpfs"):
+            DataStatesWriter(path, engine=make_engine(io_backend="threads"), direct_io=True)
+        assert not path.exists()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_direct_io_on_tmpfs_is_refused_when_the_path_comes_with_the_save(make_writer) -> None:
+    directory = _tmpfs_dir()
+    try:
+        path = directory / "ckpt"
+        with raises_in_dcp(ValueError, rf"{re.escape(str(directory))}.*tmpfs"):
+            save(_state(), path, make_writer(direct_io=True))
+        assert not (path / ".metadata").exists()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# -- the engine's lifetime -----------------------------------------------------------------------
+def test_engine_close_frees_its_memory_and_refuses_further_use(
+    tmp_path: Path, make_engine
+) -> None:
+    engine = make_engine(host_cache_size="1MiB", io_backend="threads")
+    state = _state()
+    expected = clone_state(state)
+    dcp.async_save(state, checkpoint_id=tmp_path / "a",
+                   storage_writer=DataStatesWriter(engine=engine),
+                   no_dist=True).upload_completion.result(timeout=60)
+    assert engine.cache_bytes() > 0 and engine.live_leases() == 0
+    engine.close()
+    assert engine.cache_bytes() == 0 and engine.live_leases() == 0
+    engine.close()  # idempotent
+    closed = r"Engine is closed"
+    with pytest.raises(RuntimeError, match=closed):
+        engine.reserve(4096)
+    with pytest.raises(RuntimeError, match=closed):
+        _ = engine.bounce
+    with pytest.raises(RuntimeError, match=closed):
+        engine.new_save_job()
+    with raises_in_dcp(RuntimeError, closed):
+        save(state, tmp_path / "b", DataStatesWriter(engine=engine))
+    assert not (tmp_path / "b" / ".metadata").exists()
+    assert engine.cache_bytes() == 0
+    # The checkpoint saved before the close is whole.
+    assert_state_equal(load_into(expected, tmp_path / "a", io_backend="threads"), expected)
+
+
+def test_load_on_a_closed_engine_says_so(tmp_path: Path, make_writer, make_engine) -> None:
+    directory, old = _checkpoint(tmp_path, make_writer)
+    engine = make_engine(io_backend="threads")
+    engine.close()
+    with raises_in_dcp(RuntimeError, r"Engine is closed"):
+        load_into(old, directory, engine=engine)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MARKS
+from helpers import MARKS
 
 pytestmark = MARKS
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     MARKS,
     Tiers,
     assert_state_equal,
@@ -83,7 +83,7 @@ def test_slow_save_on_an_engine_never_closed_finishes_at_exit(tmp_path: Path) ->
     """An engine of the script's own, never closed, on a slow disk (0.3 s a write): its saves
     are still flushing when the script ends; both are committed."""
     run_script(tmp_path, """
-        from fakes import FaultyBackend
+        from helpers.fakes import FaultyBackend
         from dcp_datastates.io import ThreadPoolBackend
         engine = Engine(host_cache_size="64MiB",
                         io_backend=FaultyBackend(ThreadPoolBackend(), delay_s=0.3))
@@ -97,7 +97,7 @@ def test_slow_save_on_an_engine_never_closed_finishes_at_exit(tmp_path: Path) ->
 
 def test_a_save_that_fails_at_exit_says_so_and_keeps_the_old_checkpoint(tmp_path: Path) -> None:
     proc = run_script(tmp_path, """
-        from fakes import FaultyBackend
+        from helpers.fakes import FaultyBackend
         from dcp_datastates.io import ThreadPoolBackend
         dcp.save(state(1), checkpoint_id=sys.argv[1], storage_writer=DataStatesWriter())
         failing = Engine(io_backend=FaultyBackend(ThreadPoolBackend(), fail_write_after=0))

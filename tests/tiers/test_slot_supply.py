@@ -1,0 +1,197 @@
+"""Every save waiting for a memory-tier slot gets one: a slot lost while saves wait is made
+again (and readied), a slot the tier has no room for holds none of the tier's pages, and
+pinning that fails leaves no save waiting. Pinning is held or failed through an injected
+engine (``HeldPinEngine``); waits are bounded, never timed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import MARKS, Tiers, assert_state_equal, blank_like, mounted_tmpfs
+from helpers.fakes import FakeClock, HeldPinEngine
+from helpers.tiers import make_state, wait_until
+
+from dcp_datastates import CheckpointManager, Engine
+from dcp_datastates.tiers.slots import NextSlot, SlotPool
+
+MiB = 1 << 20
+
+pytestmark = MARKS
+
+
+@pytest.fixture
+def engine() -> Iterator[HeldPinEngine]:
+    made = HeldPinEngine(io_backend="threads", host_cache_size="8MiB", io_workers=2)
+    made.gate.set()
+    try:
+        yield made
+    finally:
+        made.gate.set()
+        made.close()
+
+
+@pytest.fixture
+def memory(tiers: Tiers) -> Path:
+    tiers.memory.mkdir(parents=True)
+    return tiers.memory
+
+
+def test_a_slot_lost_while_a_save_waits_is_made_again(memory: Path,
+                                                      engine: Engine) -> None:
+    """Every slot in use (limit 1) and a save waiting for the next: the slot's save fails
+    after its file went into the step directory (the slot is lost). The pool makes a new
+    slot in its place, and its thread readies it for the waiting save (it was made and left
+    unready: the save waited until some later save woke the thread, so ``wait()`` and
+    ``close()`` hung at the end of a run)."""
+    pool = SlotPool(engine, memory, 1)
+    try:
+        pool.prepare(MiB, 4, wait=True)
+        slot = pool.take()
+        waiting = pool.take(later=True)
+        assert isinstance(waiting, NextSlot) and waiting.slot is None
+        given = threading.Event()
+        waiting.when_ready(given.set)
+        time.sleep(0.3)  # the pool's thread, woken by take(), has gone idle: nothing to ready
+        step = memory / "step_1"
+        step.mkdir()
+        slot.adopt(step / "data.safetensors")
+        pool.settle(slot, step, committed=False)  # a failed save: its slot is lost
+        assert given.wait(5), "the waiting save never got the slot made in place of the lost"
+        assert waiting.slot is not None and waiting.slot.pinned
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Path]:
+    """An 8 MiB tmpfs (root only; skipped where mounting is not permitted)."""
+    with mounted_tmpfs("8m", "dcp_slots_enospc_") as mnt:
+        yield mnt
+
+
+def free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def test_a_slot_the_tier_has_no_room_for_holds_none_of_its_pages(
+        small_tmpfs: Path, engine: HeldPinEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """prepare() for a state larger than the tier: the pool's thread cannot size the slot.
+    The slot's file gives back the pages it got before the tier ran out (they filled the
+    tier: a save in flight, another process's /dev/shm, failed with ENOSPC), the log says
+    the tier had no room (not that pinning failed), and pinning goes on: a slot that a save
+    sized is pinned once it is free (a full tier turned pinning off for the run)."""
+    caplog.set_level(logging.WARNING, logger="dcp_datastates")
+    pool = SlotPool(engine, small_tmpfs, 3)
+    try:
+        pool.prepare(16 * MiB, 4, wait=True)
+        assert free_bytes(small_tmpfs) > 7 * MiB, "the slot not made holds the tier's pages"
+        assert not any("not pinned" in r.getMessage() for r in caplog.records), [
+            r.getMessage() for r in caplog.records]
+        assert any("no room" in r.getMessage() for r in caplog.records)
+        slot = pool.take()
+        assert slot is not None, "a save sizes its slot itself"
+        lease = slot.lease(2 * MiB, 4)  # a save of a state that fits
+        lease.release()
+        pool.settle(slot, slot.home, committed=False)
+        wait_until(lambda: engine.pinned >= 1, "the slot a save sized to be pinned", 5)
+        assert not pool.readying()
+    finally:
+        pool.close()
+
+
+def test_a_save_that_gives_the_spare_up_does_not_wait_for_its_pinning(
+        tiers: Tiers, engine: HeldPinEngine) -> None:
+    """``memory_limit`` holds two states (keep_memory=1: the kept step and the one being
+    written), not the spare as well. The second save comes while the spare is being pinned
+    (held): its call returns at once (it waited in ``release_free`` for the pinning, on the
+    training thread: seconds on a GPU host), and once pinning goes on it commits into the
+    spare and loads exactly."""
+    states = {s: make_state(s, big=2 * MiB) for s in (1, 2)}
+    slot = 2 * MiB + 256 * 1024  # a slot of one state: data and header room
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           engine=engine, memory_limit=2 * slot + 2 * MiB) as manager:
+        manager.prepare(states[1], wait=True)
+        engine.gate.clear()
+        engine.pinning.clear()
+        manager.save(1, states[1]).result(timeout=10)
+        assert engine.pinning.wait(5), "the spare is being pinned"
+        opens = threading.Timer(3, engine.gate.set)  # bounds the wait where save() waits
+        opens.start()
+        start = time.monotonic()
+        handle = manager.save(2, states[2])
+        called = time.monotonic() - start
+        engine.gate.set()
+        opens.cancel()
+        handle.result(timeout=10)
+        assert called < 2, f"save() waited {called:.1f} s for the spare's pinning"
+        out = blank_like(states[2])
+        assert manager.load(out) == 2
+        assert_state_equal(out, states[2])
+
+
+def test_slots_follow_a_state_that_grew_after_prepare(tiers: Tiers,
+                                                      engine: HeldPinEngine) -> None:
+    """prepare() for a state of 1 MiB, then saves of a state of 4 MiB: the slots made and
+    readied from then on are sized for what the saves take, and a free slot of the old size
+    is sized again and pinned by the pool's thread (one kept the size prepare() gave: each
+    save that took it sized it on the staging thread, and copied into memory not pinned);
+    each step loads exactly."""
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           engine=engine) as manager:
+        manager.prepare(make_state(0, big=MiB), wait=True)
+        for step in range(1, 6):
+            state = make_state(step, big=4 * MiB)
+            manager.save(step, state).result(timeout=10)
+            out = blank_like(state)
+            assert manager.load(out) == step
+            assert_state_equal(out, state)
+        data = {p.stat().st_size for p in tiers.memory.glob("step_*/*.safetensors")}
+
+        def sizes() -> set[int]:
+            return {p.stat().st_size for p in tiers.memory.glob(".slots.*/slot_*")} | data
+
+        wait_until(lambda: min(sizes()) >= 4 * MiB, "every slot sized for the saves' state", 5)
+
+
+def test_a_spare_the_limit_has_no_room_for_is_not_waited_for(tiers: Tiers,
+                                                            engine: HeldPinEngine) -> None:
+    """Under ``max_overhead`` with a ``memory_limit`` of two states (keep_memory=1): the
+    second save taken makes a spare the limit has no room for, and gives it up at once
+    while the pool's thread is still making it (pinning held): its call does not wait for
+    that pinning (it did, on the training thread: seconds on a GPU host), and the tier
+    ends with no spare."""
+    clock = FakeClock()
+    states = {s: make_state(s, big=2 * MiB) for s in (1, 2)}
+    slot = 2 * MiB + 256 * 1024  # a slot of one state: data and header room
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           engine=engine, memory_limit=2 * slot + 2 * MiB,
+                           max_overhead=0.5, clock=clock) as manager:
+        manager.prepare(states[1], wait=True)
+        clock.now += 1.0
+        manager.save(1, states[1]).result(timeout=10)
+        wait_until(lambda: engine.pinned == 2, "the spare to be pinned", 5)
+        engine.gate.clear()
+        opens = threading.Timer(3, engine.gate.set)  # bounds the wait where save() waits
+        opens.start()
+        clock.now += 100.0
+        start = time.monotonic()
+        handle = manager.save(2, states[2])
+        called = time.monotonic() - start
+        engine.gate.set()
+        opens.cancel()
+        assert not handle.skipped, handle.reason
+        handle.result(timeout=10)
+        assert called < 2, f"save() waited {called:.1f} s for the spare's pinning"
+        manager.wait()
+        wait_until(lambda: len(list(tiers.memory.glob(".slots.*/slot_*"))) <= 1,
+                   "the spare given up", 5)
+        out = blank_like(states[2])
+        assert manager.load(out) == 2
+        assert_state_equal(out, states[2])
