@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
-from dcp_datastates import DataStatesReader, DataStatesWriter, checksums, default_engine
+from dcp_datastates import DataStatesReader, DataStatesWriter, default_engine
+from dcp_datastates.format import checksums
 from dcp_datastates.io import UringBackend
 from dcp_datastates.io.uring import shim_path
 

@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING, Protocol
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from . import cuda_copy
-from .arenas import Arenas, MakeArena, Memory, Pinning
 from .arguments import checked_keywords
-from .aside import Aside, fits_on_gpu
-from .executors import Executors
-from .host_cache import Arena, Lease
+from .cuda import cuda_copy
 from .io import FALLBACK, IOBackend, make_backend
+from .memory.arenas import Arenas, MakeArena, Memory, Pinning
+from .memory.aside import Aside, fits_on_gpu
+from .memory.host_cache import Arena, Lease
 from .sizes import parse_size
+from .workers.executors import Executors
 
 if TYPE_CHECKING:
     import torch
 
-    from .gpu_sums import GpuSums
+    from .cuda.gpu_sums import GpuSums
 
 log = logging.getLogger("dcp_datastates")
 
@@ -100,7 +100,7 @@ class Engine:
 
     The snapshot cache is mapped, pinned and registered on the engine's arena thread, never on
     a thread a save waits for: the first save (or one larger than the cache) copies its
-    snapshot aside meanwhile and moves it in once the cache is ready (``arenas.py``).
+    snapshot aside meanwhile and moves it in once the cache is ready (``memory/arenas.py``).
     """
 
     @checked_keywords

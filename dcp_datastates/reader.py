@@ -15,16 +15,16 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .arguments import checked_keywords
-from .directory import checkpoint_path, is_url
 from .engine import Engine, default_engine
-from .entries import check_locations
-from .jobs.load import LoadJob
-from .metadata_file import (
+from .format.directory import checkpoint_path, is_url
+from .format.entries import check_locations
+from .format.metadata_file import (
     METADATA_NAME,
     metadata_stamp,
     read_metadata,
     written_by_filesystem_writer,
 )
+from .jobs.load import LoadJob
 from .mismatch import check_state_matches, planner_of
 from .stats import LoadStats, log
 

@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .arguments import checked_keywords
-from .directory import check_direct_io, checkpoint_path, is_url
 from .engine import Engine, default_engine
+from .format.directory import check_direct_io, checkpoint_path, is_url
 from .jobs.ordering import CALLS
 from .jobs.save import SaveJob, new_save_job
+from .jobs.snapshot import SnapshotTarget
 from .jobs.staged import StagedSaves
-from .snapshot import SnapshotTarget
 from .stats import SaveStats
 
 

@@ -26,7 +26,7 @@ from helpers import (
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_datastates import CheckpointManager, DataStatesReader, DataStatesWriter, Engine, cli
-from dcp_datastates.directory import DirectoryClaim
+from dcp_datastates.format.directory import DirectoryClaim
 from dcp_datastates.tiers.manager import _default_memory_dir
 from dcp_datastates.tiers.steps import RECORD_NAME, TierRecord, committed_steps, steps
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ..directory import open_regular
-from ..entries import check_locations, stored_spec
 from ..errors import CheckpointError
-from ..file_format import ItemSpec
-from ..metadata_file import (
+from ..format.data_file import ItemSpec
+from ..format.directory import open_regular
+from ..format.entries import check_locations, stored_spec
+from ..format.metadata_file import (
     FileSystemWriterLocation,
     ItemLocation,
     filesystem_writer_refused,

@@ -17,10 +17,10 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..checksums import memory_at
 from ..engine import Engine
 from ..errors import CheckpointCorruptError
-from ..file_format import SAFETENSORS_DTYPES, ItemSpec, export_header, itemsize_of
+from ..format.checksums import memory_at
+from ..format.data_file import SAFETENSORS_DTYPES, ItemSpec, export_header, itemsize_of
 from ..sizes import format_size, parse_size
 from .arguments import add_command, add_quiet, cli_path, command_engine, note
 from .checkpoint import (

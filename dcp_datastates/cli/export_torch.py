@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..directory import fsync_dir, new_token, write_new_with
+from ..format.directory import fsync_dir, new_token, write_new_with
 from ..reader import DataStatesReader
 from ..sizes import format_size
 from ..tiers.local_dcp import load_whole

@@ -10,10 +10,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..directory import open_regular
-from ..entries import entry_name
 from ..errors import CheckpointCorruptError
-from ..file_format import (
+from ..format.data_file import (
     PAD_PREFIX,
     ItemSpec,
     entry_key,
@@ -21,6 +19,8 @@ from ..file_format import (
     layout_mismatch,
     read_file_header,
 )
+from ..format.directory import open_regular
+from ..format.entries import entry_name
 from .checkpoint import Chunk, chunk_spec, where
 
 

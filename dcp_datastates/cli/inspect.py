@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..metadata_file import written_by_filesystem_writer
+from ..format.metadata_file import written_by_filesystem_writer
 from ..sizes import format_size
 from .arguments import add_command, cli_path
 from .checkpoint import dtype_name, file_size, load_checkpoint

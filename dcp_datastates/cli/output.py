@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
-from ..directory import fsync_dir, new_token, write_new
+from ..format.directory import fsync_dir, new_token, write_new
 
 #: Staging directories of exports: ``.export-<token>``.
 _STAGING_RE = re.compile(r"^\.export-[0-9a-f]+$")

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..engine import Engine
 from ..errors import CheckpointError
-from ..file_format import ItemSpec
+from ..format.data_file import ItemSpec
 from ..sizes import format_size
 from .arguments import add_command, add_quiet, cli_path, command_engine
 from .checkpoint import Chunk, load_checkpoint, tiling_problems

@@ -93,8 +93,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.utils.hooks import RemovableHandle
 
-from ..directory import DATA_FILE_RE
 from ..engine import Engine, default_engine
+from ..format.directory import DATA_FILE_RE
 from ..guard import guard
 from ..reader import DataStatesReader
 from ..stats import SaveStats

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ..directory import fsync_dir, remove_unreferenced
-from ..metadata_file import METADATA_NAME, write_metadata
+from ..format.directory import fsync_dir, remove_unreferenced
+from ..format.metadata_file import METADATA_NAME, write_metadata
 
 
 def data_files(metadata: Metadata) -> set[str]:

@@ -3,7 +3,7 @@
 Each data file goes through the engine's I/O path (with O_DIRECT where the target's file system
 allows), straight from a mapping of the source file; meanwhile the checksum threads check every
 block of every item in that mapping against ``.metadata``'s checksums (the load path's check,
-:func:`~dcp_datastates.checksums.verify_span`), so the bytes copied are read once more from
+:func:`~dcp_datastates.format.checksums.verify_span`), so the bytes copied are read once more from
 memory, never from disk again. A file with a block that does not match is removed and the copy
 fails naming the file and the item: a copy never commits bytes whose checksums fail. No checksum
 covers a file's header: it is checked first, as a load checks it. The copy
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from ..checksums import memory_at, verify_span
-from ..directory import fsync_dir, new_token, open_regular
-from ..entries import stored_spec
 from ..errors import CheckpointCorruptError
-from ..file_format import entry_mismatch, layout_mismatch, read_file_header
-from ..file_writer import DataFile, Piece
-from ..host_cache import map_private, unmap
-from ..metadata_file import ItemLocation, read_metadata
+from ..format.checksums import memory_at, verify_span
+from ..format.data_file import entry_mismatch, layout_mismatch, read_file_header
+from ..format.directory import fsync_dir, new_token, open_regular
+from ..format.entries import stored_spec
+from ..format.metadata_file import ItemLocation, read_metadata
+from ..io.file_writer import DataFile, Piece
+from ..memory.host_cache import map_private, unmap
 from .commit import commit, data_files
 
 if TYPE_CHECKING:

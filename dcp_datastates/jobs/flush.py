@@ -20,15 +20,22 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..align import round_up
-from ..checksums import BLOCK_BYTES, deal_blocks, regions_checksums
-from ..entries import entry_name
-from ..file_format import FileLayout, ItemSpec, Placement, file_layout, place_bytes, place_tensors
-from ..file_writer import DataFile, Piece
-from ..gpu_sums import GPU_SUM_BLOCK
-from ..host_cache import Lease
-from ..metadata_file import ItemLocation
-from ..snapshot import Snapshot, copy_into, nbytes_of
+from ..cuda.gpu_sums import GPU_SUM_BLOCK
+from ..format.align import round_up
+from ..format.checksums import BLOCK_BYTES, deal_blocks, regions_checksums
+from ..format.data_file import (
+    FileLayout,
+    ItemSpec,
+    Placement,
+    file_layout,
+    place_bytes,
+    place_tensors,
+)
+from ..format.entries import entry_name
+from ..format.metadata_file import ItemLocation
+from ..io.file_writer import DataFile, Piece
+from ..memory.host_cache import Lease, nbytes_of
+from .snapshot import Snapshot, copy_into
 
 if TYPE_CHECKING:
     from ..engine import Engine

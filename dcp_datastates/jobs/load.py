@@ -24,15 +24,15 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from ..align import ALIGN, round_up
-from ..checksums import memory_at, verify_span
-from ..directory import memory_backed, open_regular
-from ..entries import stored_spec
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..file_format import ItemSpec, entry_mismatch, layout_mismatch, read_file_header
-from ..host_cache import Lease
+from ..format.align import ALIGN, round_up
+from ..format.checksums import memory_at, verify_span
+from ..format.data_file import ItemSpec, entry_mismatch, layout_mismatch, read_file_header
+from ..format.directory import memory_backed, open_regular
+from ..format.entries import stored_spec
+from ..format.metadata_file import ItemLocation, metadata_stamp
 from ..io.base import IOBackend, IOReq
-from ..metadata_file import ItemLocation, metadata_stamp
+from ..memory.host_cache import Lease
 from ..stats import LoadStats
 
 if TYPE_CHECKING:

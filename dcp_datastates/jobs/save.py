@@ -32,34 +32,33 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
-from ..arenas import Memory
-from ..aside import stash
-from ..cuda_copy import CudaCopier, IssuedCopies
-from ..directory import DirectoryClaim, new_token
+from ..cuda.cuda_copy import CudaCopier, IssuedCopies
 from ..engine import POLL_S, Engine
 from ..errors import CheckpointError
-from ..file_format import Placement
-from ..host_cache import Lease
-from ..metadata_file import METADATA_NAME
+from ..format.data_file import Placement
+from ..format.directory import DirectoryClaim, new_token
+from ..format.metadata_file import METADATA_NAME
+from ..memory.arenas import Memory
+from ..memory.aside import stash
+from ..memory.host_cache import Lease, nbytes_of
 from ..sizes import format_size
-from ..snapshot import (
+from ..stats import SaveStats
+from .commit import commit
+from .fence import CopyFence
+from .flush import write_data_file
+from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
+from .snapshot import (
     Snapshot,
     SnapshotTarget,
     copies_done,
     issue_into,
     keep_still,
-    nbytes_of,
     offsets_of,
     place_sources,
     rebuild,
     source_paths,
     walk,
 )
-from ..stats import SaveStats
-from .commit import commit
-from .fence import CopyFence
-from .flush import write_data_file
-from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
 from .writes import WriteWatch
 
 #: the version DCP's own writer stamps (older torch, without the constant: "1.0.0")
@@ -143,7 +142,7 @@ class SaveJob:
         """Start the snapshot; return a Future of the staged state dict.
 
         Runs on the caller's thread only to record the structure, copy what a lazy copy cannot
-        keep still (:func:`~dcp_datastates.snapshot.keep_still`: CPU tensors) and record a CUDA
+        keep still (:func:`~dcp_datastates.jobs.snapshot.keep_still`: CPU tensors) and record a CUDA
         event; the GPU copies run on the engine's staging thread.
         """
         self.tie.stager = threading.current_thread()

@@ -3,7 +3,7 @@ time on each.
 
 Each rank claims its memory tier; the job claims its durable tier, through rank 0 (every rank
 of a job shares the durable tier: one claim per job, not per process). A claim is a
-:class:`~dcp_datastates.directory.DirectoryClaim` (an ``fcntl`` lock that dies with its
+:class:`~dcp_datastates.format.directory.DirectoryClaim` (an ``fcntl`` lock that dies with its
 process, so a manager killed by SIGKILL leaves none behind) on a lock file inside the tier,
 ``.dcp_datastates-tier.lock``: a tier that may be written can be claimed, whoever owns its
 parent, and nothing is left beside it. The lock file holds the holder's pid and what it is (a
@@ -28,8 +28,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..directory import DirectoryClaim
 from ..errors import CheckpointError
+from ..format.directory import DirectoryClaim
 from .private import check_tier, writable
 from .ranks import Ranks
 

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from ..arguments import checked_keywords
-from ..directory import memory_backed
 from ..engine import Engine, default_engine
+from ..format.directory import memory_backed
+from ..jobs.snapshot import layout, walk
 from ..sizes import parse_size
-from ..snapshot import layout, walk
 from .budget import Budget, check_max_overhead
 from .claims import MEMORY_MODE, TierClaims
 from .handles import SaveFigures, SaveHandle

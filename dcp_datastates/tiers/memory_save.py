@@ -19,10 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..align import round_up
 from ..engine import Engine
+from ..format.align import round_up
+from ..memory.host_cache import nbytes_of
 from ..sizes import format_size
-from ..snapshot import nbytes_of
 from ..writer import DataStatesWriter
 from . import local_dcp
 from .handles import SaveFigures, SaveHandle, TierFullError, failed_handle

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..directory import DirectoryClaim, new_token
 from ..errors import CheckpointCorruptError, CheckpointError
+from ..format.directory import DirectoryClaim, new_token
+from ..format.metadata_file import read_metadata
 from ..jobs.commit import commit
 from ..jobs.copy import copy_checkpoint
-from ..metadata_file import read_metadata
 from .steps import check_complete, committed
 
 if TYPE_CHECKING:

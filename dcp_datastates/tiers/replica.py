@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..directory import LOCK_NAME, fsync_dir
-from ..metadata_file import METADATA_NAME
+from ..format.directory import LOCK_NAME, fsync_dir
+from ..format.metadata_file import METADATA_NAME
 from .steps import remove_step, step_dir
 
 log = logging.getLogger("dcp_datastates")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..directory import new_token
+from ..format.directory import new_token
 from . import replica
 from .ranks import Ranks
 from .slots import SlotPool

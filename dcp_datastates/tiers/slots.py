@@ -10,8 +10,8 @@ back to the slot directory, free for a later save. A slot whose file is gone (a 
 removed it) is unmapped and forgotten.
 
 Making a slot (populating its pages and pinning them: seconds for a few GiB) never delays a
-save's call or the training: the pool's thread (:mod:`.slot_pinning`) sizes and pins free
-slots in the background, one at a time, the one the next save needs first.
+save's call or the training: the pool's thread (:mod:`~dcp_datastates.workers.background`)
+sizes and pins free slots in the background, one at a time, the one the next save needs first.
 Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
 pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
 ``limit`` (sized as ``prepare()`` said, or as two saves in a row took: a state that grew since,
@@ -49,10 +49,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from ..align import ALIGN, round_up
-from ..directory import new_token
-from ..host_cache import Arena, Lease
-from .slot_pinning import Background
+from ..format.align import ALIGN, round_up
+from ..format.directory import new_token
+from ..memory.host_cache import Arena, Lease
+from ..workers.background import Background
 
 
 class FileMapper(Protocol):

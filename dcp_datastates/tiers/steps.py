@@ -23,10 +23,10 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..directory import DirectoryClaim, new_token
-from ..entries import check_locations
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..metadata_file import METADATA_NAME, read_metadata
+from ..format.directory import DirectoryClaim, new_token
+from ..format.entries import check_locations
+from ..format.metadata_file import METADATA_NAME, read_metadata
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 RECORD_NAME = ".tier.json"

@@ -35,8 +35,8 @@ from dcp_datastates.cli.output import OutputDir
 from dcp_datastates.cli.progress import Progress
 from dcp_datastates.cli.reads import chunk_reads
 from dcp_datastates.cli.verify import ChunkCheck
+from dcp_datastates.format.metadata_file import read_metadata, write_metadata
 from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.metadata_file import read_metadata, write_metadata
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import MARKS, assert_state_equal, clone_state, rand_tensor
 
 from dcp_datastates import DataStatesWriter, Engine, cli
-from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.format.metadata_file import read_metadata
 
 pytestmark = MARKS
 

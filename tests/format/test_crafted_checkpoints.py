@@ -33,9 +33,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from dcp_datastates import CheckpointCorruptError
-from dcp_datastates.align import ALIGN
-from dcp_datastates.directory import LOCK_NAME
-from dcp_datastates.file_format import (
+from dcp_datastates.format.align import ALIGN
+from dcp_datastates.format.data_file import (
     LARGE_ITEM_BYTES,
     MAX_HEADER_BYTES,
     PAD_PREFIX,
@@ -44,7 +43,8 @@ from dcp_datastates.file_format import (
     plan_layout,
     read_header,
 )
-from dcp_datastates.metadata_file import read_metadata, write_metadata
+from dcp_datastates.format.directory import LOCK_NAME
+from dcp_datastates.format.metadata_file import read_metadata, write_metadata
 
 pytestmark = MARKS
 

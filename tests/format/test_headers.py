@@ -17,7 +17,7 @@ from helpers import MARKS, clone_state, data_files, load_into, raises_in_dcp, ra
 from safetensors import safe_open
 
 from dcp_datastates import CheckpointCorruptError, cli
-from dcp_datastates.metadata_file import read_metadata, write_metadata
+from dcp_datastates.format.metadata_file import read_metadata, write_metadata
 
 pytestmark = MARKS
 

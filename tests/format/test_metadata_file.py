@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_datastates import CheckpointCorruptError, Engine, cli
-from dcp_datastates.entries import check_locations
-from dcp_datastates.metadata_file import (
+from dcp_datastates.format.entries import check_locations
+from dcp_datastates.format.metadata_file import (
     read_metadata,
     sealed,
     write_metadata,

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, cuda_copy, guard
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
+from dcp_datastates.cuda import cuda_copy
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers.fakes import SlowArena
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, cuda_copy, guard
-from dcp_datastates.aside import HOST, stash
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
+from dcp_datastates.cuda import cuda_copy
+from dcp_datastates.memory.aside import HOST, stash
 
 pytestmark = [
     pytest.mark.gpu,

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, cli
-from dcp_datastates.gpu_sums import GpuSums, compile_kernel
+from dcp_datastates.cuda.gpu_sums import GpuSums, compile_kernel
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,8 +13,8 @@ from helpers import Tiers
 from helpers.tiers import ASIDE, TIMEOUT, WAITS, HoldWrites, _messages, _wait_until
 
 from dcp_datastates import CheckpointManager, Engine, guard
-from dcp_datastates.aside import GPU_HEADROOM
 from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates.memory.aside import GPU_HEADROOM
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dcp_datastates import CheckpointManager, Engine, cli
+from dcp_datastates.format.metadata_file import read_metadata
 from dcp_datastates.io import IOBackend, IOReq
-from dcp_datastates.metadata_file import read_metadata
 
 from . import ROOT, TESTS, Tiers, rand_tensor, run_then_kill
 

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 from helpers.fakes import FaultyBackend
 
-from dcp_datastates.align import ALIGN
+from dcp_datastates.format.align import ALIGN
 from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend, make_backend
 from dcp_datastates.io.uring import (
     ABI_VERSION,

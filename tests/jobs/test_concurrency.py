@@ -35,9 +35,9 @@ from helpers.fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, Engine
-from dcp_datastates.directory import LOCK_NAME
+from dcp_datastates.format.directory import LOCK_NAME
+from dcp_datastates.format.metadata_file import read_metadata
 from dcp_datastates.io import make_backend
-from dcp_datastates.metadata_file import read_metadata
 
 MiB = 1 << 20
 TIMEOUT = 60

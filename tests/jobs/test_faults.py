@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesWriter, Engine, cli
-from dcp_datastates.directory import LOCK_NAME
+from dcp_datastates.format.directory import LOCK_NAME
 from dcp_datastates.io import ThreadPoolBackend
 
 MiB = 1 << 20

@@ -18,8 +18,9 @@ import torch
 from helpers import MARKS, rand_tensor
 from helpers.fakes import HeldSettles
 
-from dcp_datastates import DataStatesWriter, Engine, cuda_copy
-from dcp_datastates.cuda_copy import CudaCopier
+from dcp_datastates import DataStatesWriter, Engine
+from dcp_datastates.cuda import cuda_copy
+from dcp_datastates.cuda.cuda_copy import CudaCopier
 from dcp_datastates.jobs.fence import CopyFence
 
 pytestmark = MARKS

@@ -19,7 +19,7 @@ from helpers.fakes import FaultyBackend
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, Engine
-from dcp_datastates.directory import DirectoryClaim
+from dcp_datastates.format.directory import DirectoryClaim
 from dcp_datastates.io import ThreadPoolBackend
 
 pytestmark = MARKS

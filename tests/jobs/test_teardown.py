@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import MARKS, load_into
 
-from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.format.metadata_file import read_metadata
 from dcp_datastates.tiers.steps import committed_steps
 
 pytestmark = MARKS

@@ -19,9 +19,9 @@ import torch.multiprocessing
 from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
 
 from dcp_datastates import DataStatesWriter, parse_size
-from dcp_datastates.align import ALIGN
-from dcp_datastates.file_format import LARGE_ITEM_BYTES
-from dcp_datastates.host_cache import Arena, Lease, Pool
+from dcp_datastates.format.align import ALIGN
+from dcp_datastates.format.data_file import LARGE_ITEM_BYTES
+from dcp_datastates.memory.host_cache import Arena, Lease, Pool
 from dcp_datastates.sizes import format_size
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -357,7 +357,7 @@ def test_an_arena_over_a_file_shorter_than_it_is_refused_naming_the_file(
     path.write_bytes(b"x" * ALIGN)
     done = _run(f"""
         import os
-        from dcp_datastates.host_cache import Arena
+        from dcp_datastates.memory.host_cache import Arena
         fd = os.open({str(path)!r}, os.O_RDWR)
         try:
             arena = Arena(1 << 20, {str(path)!r}, fd=fd)

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
-from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.format.metadata_file import read_metadata
 
 pytestmark = [
     pytest.mark.mpi,

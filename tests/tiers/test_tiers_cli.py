@@ -35,7 +35,7 @@ from helpers import (
 from helpers.tiers import make_state, persist, run_and_kill, run_cli, steps_in
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.metadata_file import read_metadata
+from dcp_datastates.format.metadata_file import read_metadata
 from dcp_datastates.tiers.steps import name_steps
 
 MiB = 1 << 20

@@ -11,9 +11,9 @@ import torch
 from helpers import MARKS, Tiers, assert_state_equal, blank_like, clone_state, load_into, save
 
 from dcp_datastates import CheckpointManager, Engine
+from dcp_datastates.format.metadata_file import read_metadata
 from dcp_datastates.jobs.commit import commit, committed_by
 from dcp_datastates.jobs.copy import copy_checkpoint
-from dcp_datastates.metadata_file import read_metadata
 from dcp_datastates.tiers.persist import persist_part
 
 pytestmark = MARKS

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import StorageReader
 
+from ..errors import CheckpointCorruptError, CheckpointError, brief
 from .directory import fsync_dir, open_regular, write_new
-from .errors import CheckpointCorruptError, CheckpointError, brief
 
 METADATA_NAME = ".metadata"
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .align import ALIGN, round_up
-from .sizes import format_size
+from ..format.align import ALIGN, round_up
+from ..sizes import format_size
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -99,6 +99,16 @@ def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
         raise OSError(errno.ENOSPC if fd >= 0 else err,
                       f"cannot populate {format_size(nbytes)} of host memory for {what}: "
                       f"{room} ({os.strerror(err)})")
+
+
+#: CPU tensors smaller than this are copied with one ``memmove`` (less overhead than torch): by
+#: a snapshot's copies and by the copies aside alike.
+MEMMOVE_BYTES = 1 << 20
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s elements (its view's, not its storage's)."""
+    return t.numel() * t.element_size()
 
 
 def set_storage(tensor: torch.Tensor, storage: torch.UntypedStorage, offset: int,

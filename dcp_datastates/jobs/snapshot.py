@@ -2,7 +2,7 @@
 
 ``walk`` runs on the caller's thread and only records the structure (tensors become
 references); ``issue_into`` runs on the engine's staging thread: every tensor gets the place the
-data file will give it (:func:`~dcp_datastates.file_format.place_tensors`, kept in the
+data file will give it (:func:`~dcp_datastates.format.data_file.place_tensors`, kept in the
 :class:`Snapshot` and reused by the flush), so a lease is an image of the file's tensor data
 and the flush writes it in a few large requests; small tensors share the lease instead of
 taking a 4 KiB region each. A snapshot goes to a lease of the engine's host cache, or to a
@@ -26,12 +26,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .cuda_copy import Copy, CudaCopier, IssuedCopies
-from .file_format import ItemSpec, Placement, place_tensors
-from .host_cache import Lease, set_storage
-
-#: CPU tensors smaller than this are copied with one ``memmove`` (less overhead than torch).
-MEMMOVE_BYTES = 1 << 20
+from ..cuda.cuda_copy import Copy, CudaCopier, IssuedCopies
+from ..format.data_file import ItemSpec, Placement, place_tensors
+from ..memory.host_cache import MEMMOVE_BYTES, Lease, nbytes_of, set_storage
 
 #: The attributes of DCP's ``CheckpointableTensor`` protocol (torch >= 2.14): a plain tensor
 #: holding shards of a larger one. Its staged copy must carry them, or DCP plans the copy as a
@@ -91,10 +88,6 @@ class _DTensorRef:
 
     index: int
     spec: DTensorSpec
-
-
-def nbytes_of(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 #: Values :func:`walk` keeps as they are (no copy): immutable.

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import xxhash
 
-from .errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError
 
 #: Bytes covered by one checksum; an item shorter than this has a single checksum.
 BLOCK_BYTES = 16 << 20
 
 
 log = logging.getLogger("dcp_datastates")
-NATIVE_PATH = Path(__file__).resolve().parent / "_lib" / "libdcp_hash.so"
+NATIVE_PATH = Path(__file__).resolve().parent.parent / "_lib" / "libdcp_hash.so"
 
 
 @functools.cache

@@ -17,13 +17,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .align import round_up
+from ..cuda.cuda_copy import CudaCopier
+from ..errors import CheckpointError
+from ..format.align import round_up
+from ..io import IOBackend
+from ..sizes import format_size
 from .aside import Aside
-from .cuda_copy import CudaCopier
-from .errors import CheckpointError
 from .host_cache import Arena
-from .io import IOBackend
-from .sizes import format_size
 
 log = logging.getLogger("dcp_datastates")
 

@@ -34,7 +34,7 @@ log = logging.getLogger("dcp_datastates")
 #: Bytes one group of eight GPU threads hashes (one checksum): larger blocks leave too few
 #: threads to fill the GPU; smaller ones multiply the checksums the metadata holds.
 GPU_SUM_BLOCK = 1 << 20
-HEADER = Path(__file__).resolve().parent / "_lib" / "xxhash.h"
+HEADER = Path(__file__).resolve().parent.parent / "_lib" / "xxhash.h"
 _THREADS = 128
 
 _KERNEL = b"""

@@ -19,10 +19,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from .align import ALIGN, round_up
-from .directory import memory_backed
-from .host_cache import Lease, Pool
-from .io.base import IOBackend, IOReq
+from ..format.align import ALIGN, round_up
+from ..format.directory import memory_backed
+from ..memory.host_cache import Lease, Pool
+from .base import IOBackend, IOReq
 
 #: Bytes gathered into one bounce buffer, and the size of one write request.
 EXTENT_BYTES = 16 << 20

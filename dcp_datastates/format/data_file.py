@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import CheckpointCorruptError, brief
 from .align import ALIGN
-from .errors import CheckpointCorruptError, brief
 
 FORMAT_NAME = "dcp_datastates"
 FORMAT_VERSION = "1"

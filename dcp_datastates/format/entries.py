@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import CheckpointCorruptError, brief
-from .file_format import ItemSpec, bounded_numel
+from ..errors import CheckpointCorruptError, brief
+from .data_file import ItemSpec, bounded_numel
 from .metadata_file import (
     METADATA_NAME,
     FileSystemWriterLocation,

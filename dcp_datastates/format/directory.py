@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 LOCK_NAME = ".dcp_datastates.lock"
 #: Data files: ``__<rank>_<token>.safetensors``.

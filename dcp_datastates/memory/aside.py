@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cuda_copy import Copy, CudaCopier
-from .host_cache import set_storage
-from .snapshot import MEMMOVE_BYTES, nbytes_of
+from ..cuda.cuda_copy import Copy, CudaCopier
+from .host_cache import MEMMOVE_BYTES, nbytes_of, set_storage
 
 #: A GPU buffer aside is made only where this fraction of the device's memory stays free
 #: after it (room for training's own allocations).
