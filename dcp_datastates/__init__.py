@@ -5,18 +5,27 @@ Lazy host snapshots into a reusable host cache, flushed to safetensors files thr
 """
 
 from .engine import Engine, default_engine
-from .errors import CheckpointCorruptError, CheckpointError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    DamagedStepError,
+    DataStatesError,
+    StateDictMismatchError,
+    TierFullError,
+    UringUnavailable,
+)
 from .guard import guard
-from .mismatch import StateDictMismatchError
 from .reader import DataStatesReader
 from .sizes import parse_size
-from .tiers import CheckpointManager, TierFullError
+from .tiers import CheckpointManager
 from .writer import DataStatesWriter
 
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointManager",
+    "DamagedStepError",
+    "DataStatesError",
     "DataStatesReader",
     "DataStatesWriter",
     "Engine",
@@ -25,4 +34,5 @@ __all__ = [
     "parse_size",
     "StateDictMismatchError",
     "TierFullError",
+    "UringUnavailable",
 ]

@@ -1,12 +1,53 @@
-"""Exceptions that dcp_datastates raises for checkpoints it cannot trust."""
+"""The exceptions of dcp_datastates, all under :class:`DataStatesError`.
+
+Each keeps the built-in bases it has always had (``StateDictMismatchError`` is a RuntimeError
+and a ValueError, ``UringUnavailable`` a RuntimeError), so an ``except`` written for those still
+catches it; ``except DataStatesError`` catches every one of them.
+"""
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "DamagedStepError",
+    "DataStatesError",
+    "StateDictMismatchError",
+    "TierFullError",
+    "UringUnavailable",
+]
 
 
-class CheckpointError(Exception):
+class DataStatesError(Exception):
+    """The base of every exception dcp_datastates raises of its own."""
+
+
+class CheckpointError(DataStatesError):
     """A checkpoint cannot be saved or loaded."""
 
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's files are missing, truncated or do not match their checksums."""
+
+
+class DamagedStepError(CheckpointCorruptError):
+    """A memory-tier checkpoint that a persist was to copy is damaged (a file missing or
+    short, a checksum that fails): nothing of it is committed in the durable tier."""
+
+
+class TierFullError(CheckpointError):
+    """The memory tier has no room for a checkpoint; nothing was written."""
+
+
+class StateDictMismatchError(DataStatesError, RuntimeError, ValueError):
+    """The state dict asks for items the checkpoint lacks, or for tensors of another shape (a
+    RuntimeError and a ValueError, as DCP's own planner raised for each)."""
+
+
+class UringUnavailable(DataStatesError, RuntimeError):
+    """io_uring cannot be used in this process; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"io_uring backend unavailable: {reason}")
+        self.reason = reason
 
 
 def brief(value: object, limit: int = 200) -> str:

@@ -14,13 +14,10 @@ from types import FrameType
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from .errors import StateDictMismatchError
+
 #: Items named in the error; the rest are counted.
 SHOWN = 5
-
-
-class StateDictMismatchError(RuntimeError, ValueError):
-    """The state dict asks for items the checkpoint lacks, or for tensors of another shape (a
-    RuntimeError and a ValueError, as DCP's own planner raised for each)."""
 
 
 def check_state_matches(state: Mapping[str, object], metadata: Metadata,

@@ -36,7 +36,7 @@ from dcp_datastates import (
     DataStatesWriter,
     Engine,
 )
-from dcp_datastates.mismatch import StateDictMismatchError
+from dcp_datastates.errors import StateDictMismatchError
 
 HINT = "storage_reader=dcp_datastates.DataStatesReader()"
 

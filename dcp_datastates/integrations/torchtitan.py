@@ -94,12 +94,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.utils.hooks import RemovableHandle
 
 from ..engine import Engine, default_engine
+from ..errors import TierFullError
 from ..format.directory import DATA_FILE_RE
 from ..guard import guard
 from ..reader import DataStatesReader
 from ..stats import SaveStats
 from ..tiers import CheckpointManager as TierManager
-from ..tiers import TierFullError
 from ..tiers.steps import name_steps, step_dir
 from ..writer import DataStatesWriter
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 
+from ..errors import UringUnavailable
 from .base import IOBackend, IOReq
 from .threads import ThreadPoolBackend
-from .uring import UringBackend, UringUnavailable
+from .uring import UringBackend
 
 __all__ = [
     "BACKENDS",
@@ -20,7 +21,6 @@ __all__ = [
     "IOReq",
     "ThreadPoolBackend",
     "UringBackend",
-    "UringUnavailable",
     "check_backend_name",
     "make_backend",
 ]

@@ -10,10 +10,11 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..errors import UringUnavailable
 from .base import IOReq
 from .rings import RingPool, Shim
 
-__all__ = ["ABI_VERSION", "UringBackend", "UringUnavailable", "check_abi", "shim_path"]
+__all__ = ["ABI_VERSION", "UringBackend", "check_abi", "shim_path"]
 
 log = logging.getLogger("dcp_datastates")
 
@@ -22,14 +23,6 @@ ABI_VERSION = 3
 #: Returned by ``dsu_rw`` when a read meets end of file (``DSU_EOF`` in native/dcp_uring.h).
 _DSU_EOF = -65536
 _DISABLED_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
-
-
-class UringUnavailable(RuntimeError):
-    """io_uring cannot be used in this process; ``reason`` says why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"io_uring backend unavailable: {reason}")
-        self.reason = reason
 
 
 def shim_path() -> Path:

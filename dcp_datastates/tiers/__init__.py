@@ -1,6 +1,6 @@
 """Checkpoint tiers: node memory, durable storage, peer replicas, and the manager over them."""
 
-from .handles import SaveFigures, SaveHandle, TierFullError
+from .handles import SaveFigures, SaveHandle
 from .manager import CheckpointManager
 
-__all__ = ["CheckpointManager", "SaveFigures", "SaveHandle", "TierFullError"]
+__all__ = ["CheckpointManager", "SaveFigures", "SaveHandle"]

@@ -1,16 +1,10 @@
-"""What a managed save hands back: its handle, its figures, and the error of a full tier."""
+"""What a managed save hands back: its handle and its figures."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-from ..errors import CheckpointError
-
-
-class TierFullError(CheckpointError):
-    """The memory tier has no room for a checkpoint; nothing was written."""
 
 
 @dataclass

@@ -20,12 +20,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..engine import Engine
+from ..errors import TierFullError
 from ..format.align import round_up
 from ..memory.host_cache import nbytes_of
 from ..sizes import format_size
 from ..writer import DataStatesWriter
 from . import local_dcp
-from .handles import SaveFigures, SaveHandle, TierFullError, failed_handle
+from .handles import SaveFigures, SaveHandle, failed_handle
 from .plans import ReusingPlanner
 from .ranks import Ranks
 from .replicator import Replicator

@@ -7,9 +7,10 @@ checkpoint of a step is committed only once every rank's part is in it, so
 :func:`persist_job` gathers a part for every rank of the step from the directories it is given
 (a rank's own tier first, else a peer's replica of it, else a part an earlier run already left
 in the durable step), checks their files before it writes anything, then writes them, checking
-every checksum as it copies (a damaged part is refused: :class:`~.persist.DamagedStepError`);
-the last part commits the step. With ``partial=True`` it writes the parts it has and leaves
-the commit to whichever later run (on another node) adds the rest.
+every checksum as it copies (a damaged part is refused:
+:class:`~dcp_datastates.errors.DamagedStepError`); the last part commits the step. With
+``partial=True`` it writes the parts it has and leaves the commit to whichever later run (on
+another node) adds the rest.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, DamagedStepError
 from ..format.directory import DirectoryClaim, new_token
 from ..format.metadata_file import read_metadata
 from ..jobs.commit import commit
@@ -37,11 +37,6 @@ log = logging.getLogger("dcp_datastates")
 PART_PREFIX = ".part."
 #: How long a rank waits for another rank's claim on the durable step to merge parts.
 CLAIM_WAIT_S = 30.0
-
-
-class DamagedStepError(CheckpointCorruptError):
-    """A memory-tier checkpoint that a persist was to copy is damaged (a file missing or
-    short, a checksum that fails): nothing of it is committed in the durable tier."""
 
 
 def persist_part(engine: Engine, source: Path, target: Path, rank: int, world_size: int) -> bool:

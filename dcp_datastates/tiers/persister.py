@@ -19,8 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..engine import Engine
+from ..errors import DamagedStepError
 from .handles import SaveFigures, SaveHandle
-from .persist import DamagedStepError, persist_part
+from .persist import persist_part
 from .ranks import Ranks
 from .reports import Reports
 from .retention import Retention

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_datastates import CheckpointCorruptError, CheckpointError, DataStatesReader, cli
 from dcp_datastates.cli.inspect import inspect_data
+from dcp_datastates.errors import StateDictMismatchError
 from dcp_datastates.format.metadata_file import FileSystemWriterLocation, read_metadata
-from dcp_datastates.mismatch import StateDictMismatchError
 
 pytestmark = MARKS
 
