@@ -1,7 +1,7 @@
 """The flush of a save job: its rank's data file, written from the snapshot (or the state).
 
 The file's tensors lie where the snapshot put them: the placements kept by staging (one call of
-``file_format.place_tensors``) are the file's, whenever the plan's tensors are the snapshot's
+``data_file.place_tensors``) are the file's, whenever the plan's tensors are the snapshot's
 copies; otherwise (a plain save) the plan's tensors are placed here. Tensor I/O starts at once;
 bytes items are serialized meanwhile, then written with the header. A snapshot in a snapshot
 target is already the file's data: only the header and the bytes items are written there.
@@ -14,7 +14,8 @@ import io
 import logging
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -35,11 +36,11 @@ from ..format.entries import entry_name
 from ..format.metadata_file import ItemLocation
 from ..io.file_writer import DataFile, Piece
 from ..memory.host_cache import Lease, nbytes_of
-from .snapshot import Snapshot, copy_into
+from ..stats import SaveStats
+from .snapshot import Snapshot, SnapshotTarget, copy_into
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from .save import SaveJob
 
 log = logging.getLogger("dcp_datastates")
 
@@ -49,7 +50,36 @@ _SIZE_BOUND = 10**15
 _SUM_BYTES, _TASKS_PER_THREAD = BLOCK_BYTES, 2
 
 
-def write_data_file(job: SaveJob, plan: SavePlan, planner: SavePlanner,
+class FlushedSave(Protocol):
+    """What the flush reads of a save job (``jobs/save.py``'s ``SaveJob``)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def ticket(self) -> int: ...
+
+    @property
+    def token(self) -> str: ...
+
+    @property
+    def snapshot(self) -> Snapshot | None: ...
+
+    @property
+    def target(self) -> SnapshotTarget | None: ...
+
+    @property
+    def stats(self) -> SaveStats: ...
+
+    @property
+    def leases(self) -> list[Lease]: ...
+
+    def hold(self, lease: Lease | None) -> Lease | None: ...
+
+    def checkpoint_directory(self) -> Path: ...
+
+
+def write_data_file(job: FlushedSave, plan: SavePlan, planner: SavePlanner,
                     direct_io: bool | None) -> list[WriteResult]:
     """Write ``job``'s data file for ``plan``; return DCP's write results. The caller releases
     the job's leases afterwards."""
@@ -128,7 +158,7 @@ def _sources_of(snapshot: Snapshot | None, tensors: list[torch.Tensor],
     return order if len(set(order)) == len(order) else None
 
 
-def _draft(job: SaveJob, placed: list[Placement], raw_names: list[str],
+def _draft(job: FlushedSave, placed: list[Placement], raw_names: list[str],
            in_place: bool) -> tuple[FileLayout, bool]:
     """The layout with bytes items at their largest size: the header's length. In place, the
     header must fit before the data in the snapshot target; if not, the data is copied."""
@@ -150,7 +180,7 @@ def _draft(job: SaveJob, placed: list[Placement], raw_names: list[str],
     return draft, False
 
 
-def _write(job: SaveJob, file: DataFile, draft: FileLayout, placed: list[Placement],
+def _write(job: FlushedSave, file: DataFile, draft: FileLayout, placed: list[Placement],
            tensors: list[torch.Tensor], offsets: list[int], raw_names: list[str],
            serialized: list[Future], in_place: bool,
            ) -> tuple[FileLayout, list[int], list[int], list[tuple[int, list[int]]]]:
@@ -220,7 +250,7 @@ def _lease_of(leases: list[Lease], t: torch.Tensor) -> Lease | None:
     return None
 
 
-def _host_copies(job: SaveJob, tensors: list[torch.Tensor],
+def _host_copies(job: FlushedSave, tensors: list[torch.Tensor],
                  offsets: list[int]) -> list[torch.Tensor]:
     """CPU tensors to write: GPU ones (a plain ``dcp.save``) are copied on the side stream
     into a lease laid out as the file; non-contiguous ones made contiguous."""

@@ -40,15 +40,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch.distributed.checkpoint as _dcp
 
 from ..errors import CheckpointError
+from .fence import CopyFence
 
 if TYPE_CHECKING:
+    from ..cuda.cuda_copy import CudaCopier
     from ..engine import Engine
-    from .save import SaveJob
 
 log = logging.getLogger("dcp_datastates")
 
@@ -180,17 +181,42 @@ class Tie:
         return bool(takers) and not any(t.is_alive() for t in takers)
 
 
-class SaveOrder:
+class OrderedSave(Protocol):
+    """What the save order asks of a save job (``jobs/save.py``'s ``SaveJob``)."""
+
+    @property
+    def ticket(self) -> int: ...
+
+    @property
+    def tie(self) -> Tie: ...
+
+    @property
+    def copied(self) -> CopyFence: ...
+
+    @property
+    def ended(self) -> bool: ...
+
+    def holds_memory(self) -> bool: ...
+
+    def order_after(self, cuda: CudaCopier | None) -> None: ...
+
+    def end(self, error: BaseException | None) -> None: ...
+
+
+J = TypeVar("J", bound=OrderedSave)
+
+
+class SaveOrder(Generic[J]):
     """An engine's saves in ticket order. One per engine (``jobs.save.save_order``), attached
     to it as work its ``close()`` waits for (:meth:`wait`) and then ends (:meth:`end`).
     ``make(engine, order, ticket)`` makes a job."""
 
-    def __init__(self, engine: Engine, make: Callable[[Engine, SaveOrder, int], SaveJob]) -> None:
+    def __init__(self, engine: Engine, make: Callable[[Engine, SaveOrder[J], int], J]) -> None:
         self.engine = engine
         self._make = make
         self._lock = threading.Condition()
         self._tickets = itertools.count(1)
-        self._jobs: dict[int, SaveJob] = {}
+        self._jobs: dict[int, J] = {}
         #: the DCP calls running saves, by ticket, until they return (after the job ended)
         self._calls: dict[int, Caller] = {}
         self._closed = False
@@ -198,7 +224,7 @@ class SaveOrder:
                                          daemon=True)
         self._watcher.start()
 
-    def new_job(self) -> SaveJob:
+    def new_job(self) -> J:
         """A job holding the next ticket: its storage steps run after every earlier one's."""
         self.reap()
         with self._lock:
@@ -207,14 +233,14 @@ class SaveOrder:
             self._jobs[job.ticket] = job
             return job
 
-    def done(self, job: SaveJob) -> None:
+    def done(self, job: J) -> None:
         """Called by a job once it holds nothing: later saves may take their turn."""
         with self._lock:
             self._jobs.pop(job.ticket, None)
             self._lock.notify_all()
         self.engine.free_retired()
 
-    def run(self, job: SaveJob, call: int) -> None:
+    def run(self, job: J, call: int) -> None:
         """The calling thread runs ``job`` from DCP call ``call`` on (rule 1: any other save
         it ran is over)."""
         job.tie.caller = Caller.here()
@@ -229,7 +255,7 @@ class SaveOrder:
         for other in left:
             self._end_abandoned(other)
 
-    def wait_turn(self, job: SaveJob) -> None:
+    def wait_turn(self, job: J) -> None:
         """Block until no save with an earlier ticket holds the line (abandoned ones are
         ended) and the DCP calls of earlier saves have returned: a rank whose part of a save
         ended (its data file written) is still in that save's last collectives, and a later
@@ -304,7 +330,7 @@ class SaveOrder:
             job.end(RuntimeError(f"the engine was closed before save {job.ticket} finished"))
         self._watcher.join()
 
-    def _end_abandoned(self, job: SaveJob) -> None:
+    def _end_abandoned(self, job: J) -> None:
         job.end(CheckpointError(
             f"save {job.ticket} stopped outside dcp_datastates (another rank, the planner or "
             f"DCP failed); what it held is released"))

@@ -72,7 +72,7 @@ def new_save_job(engine: Engine) -> SaveJob:
     return save_order(engine).new_job()
 
 
-def save_order(engine: Engine) -> SaveOrder:
+def save_order(engine: Engine) -> SaveOrder[SaveJob]:
     """The save order of ``engine`` (attached at the first call)."""
     order = engine.attach_saves(lambda e: SaveOrder(e, SaveJob))
     if not isinstance(order, SaveOrder):  # the only saves attached
@@ -115,7 +115,7 @@ class SaveState(enum.Enum):
 class SaveJob:
     """One rank's part of one save. Made by :func:`new_save_job`."""
 
-    def __init__(self, engine: Engine, order: SaveOrder, ticket: int) -> None:
+    def __init__(self, engine: Engine, order: SaveOrder[SaveJob], ticket: int) -> None:
         self.engine = engine
         self.order = order
         self.ticket = ticket

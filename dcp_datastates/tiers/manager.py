@@ -48,7 +48,7 @@ from .restore import Restorer, held, pick
 from .retention import ABANDONED, Retention
 from .slots import NextSlot, SlotPool
 from .steps import remove_dead_unfinished
-from .unclosed import Unclosed
+from .unclosed import Unclosed, warn_unpersisted
 
 log = logging.getLogger("dcp_datastates")
 
@@ -130,7 +130,8 @@ class CheckpointManager:
         try:
             remove_dead_unfinished(self.memory)  # only its holder cleans a tier
             self._wire()
-            self._unclosed = Unclosed.track(self)  # the engine's close finishes it: exit too
+            # the engine's close finishes it: exit too
+            self._unclosed = Unclosed.track(self.engine, self._finish_unclosed)
             self._timing = None if self._budget is None else self.engine.time_step_waits(
                 self._budget.wait)  # every optimizer step waits for the engine's snapshots
             views = self._restorer.views()
@@ -309,6 +310,30 @@ class CheckpointManager:
         finally:
             self._stop()
         self._reports.raise_first(unraised_only=True)
+
+    def _finish_unclosed(self) -> None:
+        """At the engine's close, the manager not closed (:mod:`.unclosed`): with one rank,
+        close it; with several, finish its saves on this rank alone, log their errors and
+        warn of a step in the memory tier only."""
+        if self._closed:
+            return
+        if self.world == 1:
+            try:
+                self.close()
+            except Exception as exc:  # noqa: BLE001 - no caller to raise it to
+                log.warning("dcp_datastates: CheckpointManager of %s was not closed; closing "
+                            "it at exit failed: %s", self.memory, exc)
+            return
+        self._closed = True
+        try:
+            self._drain()
+        finally:
+            self._stop()
+        for error in self._reports.take():
+            log.warning("dcp_datastates: a save of the unclosed CheckpointManager of %s "
+                        "failed: %s", self.memory, error)
+        # (persist_policy is None where durable is)
+        warn_unpersisted(self.memory, self.durable if self.persist_policy is not None else None)
 
     def _stop(self) -> None:
         """Stop the manager's threads (once its saves are over) and unmap its slots; the
