@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+__all__ = ["ENGINE_OPTIONS", "FILESYSTEM_OPTIONS", "checked_keywords"]
+
 #: Options that the engine took over from the writer and the reader (one engine per process
 #: owns the host cache, the I/O backend and its threads).
 ENGINE_OPTIONS = ("host_cache_size", "io_backend", "io_workers")
@@ -52,7 +54,7 @@ def checked_keywords(init: F) -> F:
         except TypeError:
             unknown = [k for k in kwargs if k not in names]
             if unknown:
-                raise TypeError(unknown_keyword(owner, unknown[0], names)) from None
+                raise TypeError(_unknown_keyword(owner, unknown[0], names)) from None
             odd = [a for a in args if a is not None and not isinstance(a, str | os.PathLike)]
             if not (odd and takes_path):
                 raise
@@ -64,7 +66,7 @@ def checked_keywords(init: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def unknown_keyword(owner: str, name: str, names: list[str]) -> str:
+def _unknown_keyword(owner: str, name: str, names: list[str]) -> str:
     """What to say of keyword ``name`` that ``owner()`` does not take (``names`` it does)."""
     if name in ENGINE_OPTIONS and owner != "Engine":
         return (f"{owner}() got {name}=, an option of the engine: pass "

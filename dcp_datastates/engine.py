@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
     from .cuda.gpu_sums import GpuSums
 
+__all__ = ["POLL_S", "Engine", "Saves", "Work", "current_default", "default_engine"]
+
 log = logging.getLogger("dcp_datastates")
 
 #: How often a wait (for cache memory, for a snapshot target) checks whether to give up.

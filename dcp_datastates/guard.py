@@ -10,6 +10,8 @@ from torch.utils.hooks import RemovableHandle
 from .engine import current_default
 from .writer import DataStatesWriter
 
+__all__ = ["SnapshotSource", "guard"]
+
 
 class SnapshotSource(Protocol):
     """What orders work after the snapshots staged so far: an :class:`Engine` or a

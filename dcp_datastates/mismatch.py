@@ -16,6 +16,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from .errors import StateDictMismatchError
 
+__all__ = ["SHOWN", "check_state_matches", "planner_of"]
+
 #: Items named in the error; the rest are counted.
 SHOWN = 5
 

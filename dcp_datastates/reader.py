@@ -28,6 +28,8 @@ from .jobs.load import LoadJob
 from .mismatch import check_state_matches, planner_of
 from .stats import LoadStats, log
 
+__all__ = ["DataStatesReader"]
+
 
 class DataStatesReader(StorageReader):
     """Loads DCP checkpoints written by :class:`DataStatesWriter`, resharding included.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+__all__ = ["format_size", "parse_size"]
+
 _UNITS = {
     "": 1,
     "b": 1,

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from .sizes import format_size
 
+__all__ = ["LoadStats", "SaveStats"]
+
 log = logging.getLogger("dcp_datastates")
 
 

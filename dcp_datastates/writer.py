@@ -25,6 +25,8 @@ from .jobs.snapshot import SnapshotTarget
 from .jobs.staged import StagedSaves
 from .stats import SaveStats
 
+__all__ = ["DataStatesWriter"]
+
 
 def _ends_job_on_error(method: Callable) -> Callable:
     """A storage step that fails ends its save: what the save holds is released at once."""

@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from . import export, inspect, persist, verify
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     """The ``python -m dcp_datastates`` argument parser."""
     parser = argparse.ArgumentParser(
         prog="python -m dcp_datastates",
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
     """Run the command line; return the exit code. ``engine``: the Engine that ``verify``,
     ``export`` and ``persist`` read and copy with (default: one of the command's own)."""
-    args = build_parser().parse_args(argv)
+    args = _build_parser().parse_args(argv)
     args.engine = engine
     try:
         code = args.func(args)

@@ -93,7 +93,7 @@ def file_size(f: Path) -> tuple[int | None, str | None]:
         os.close(fd)
 
 
-def tiling_problem(tmd: TensorStorageMetadata) -> str | None:
+def _tiling_problem(tmd: TensorStorageMetadata) -> str | None:
     """How a tensor's chunks in ``.metadata`` fail to tile its global shape (a DCP save's
     always do): one lying outside it, two overlapping, or a part no chunk covers."""
     size = tuple(tmd.size)
@@ -120,10 +120,10 @@ def tiling_problem(tmd: TensorStorageMetadata) -> str | None:
 
 
 def tiling_problems(path: Path, md: Metadata, fqns: Iterable[str]) -> list[str]:
-    """``tiling_problem`` of each tensor of ``fqns``, as "<path>: item '<fqn>': <why>"."""
+    """``_tiling_problem`` of each tensor of ``fqns``, as "<path>: item '<fqn>': <why>"."""
     problems = []
     for fqn in fqns:
         tmd = md.state_dict_metadata.get(fqn)
-        if isinstance(tmd, TensorStorageMetadata) and (why := tiling_problem(tmd)) is not None:
+        if isinstance(tmd, TensorStorageMetadata) and (why := _tiling_problem(tmd)) is not None:
             problems.append(f"{path}: item {fqn!r}: {why}")
     return problems

@@ -178,7 +178,7 @@ def _write(src: _Source, out: OutputDir, max_bytes: int) -> list[str]:
     return names
 
 
-def cmd_export(args: argparse.Namespace) -> int:
+def _cmd_export(args: argparse.Namespace) -> int:
     """Write full tensors as Hugging Face-style safetensors file(s), or (``--format torch``)
     the state dict as a ``torch.save`` file."""
     path, out_path = cli_path(args.path), cli_path(args.out)
@@ -247,4 +247,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(e.g. 'model.')")
     p.add_argument("--no-verify", action="store_true", help="skip checksum checks while reading")
     add_quiet(p)
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=_cmd_export)

@@ -57,7 +57,7 @@ def inspect_data(path: Path) -> dict[str, Any]:
             "totals": totals}
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def _cmd_inspect(args: argparse.Namespace) -> int:
     """Print the items, the data files and the totals."""
     data = inspect_data(cli_path(args.path))
     if args.json:
@@ -97,4 +97,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "count, then totals. Reads only .metadata and file sizes. Checkpoints of DCP's own "
         "FileSystemWriter are listed too.")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=_cmd_inspect)

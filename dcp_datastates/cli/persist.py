@@ -48,7 +48,7 @@ def _step(text: str) -> int:
     return step
 
 
-def cmd_persist(args: argparse.Namespace) -> int:
+def _cmd_persist(args: argparse.Namespace) -> int:
     """Persist a step committed in memory tiers (a job that died) into the durable tier."""
     memory = [cli_path(m) for m in args.memory]
     with command_engine(args) as engine:
@@ -90,4 +90,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="create DURABLE_DIR's missing parent directories (as mkdir -p); without "
                         "it a missing parent is refused, as a mistyped path would be")
     add_quiet(p, progress=False)
-    p.set_defaults(func=cmd_persist)
+    p.set_defaults(func=_cmd_persist)

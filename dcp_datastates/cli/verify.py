@@ -145,7 +145,7 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _cmd_verify(args: argparse.Namespace) -> int:
     """Check every data file's header against ``.metadata``, and re-read every stored byte
     against the checksums in ``.metadata``."""
     path = cli_path(args.path)
@@ -191,4 +191,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "when everything matches, 1 (naming the file, the item and what differs) on a "
         "mismatch, a missing, truncated or unusable file.")
     add_quiet(p)
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=_cmd_verify)

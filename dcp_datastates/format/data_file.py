@@ -174,17 +174,17 @@ def _header_bytes(placements: list[Placement], header_len: int | None) -> bytes:
         if spec is None:
             entries[f"{PAD_PREFIX}{k}"] = _entry("U8", [p.nbytes], p.begin, p.end)
             continue
-        key, dtype, shape = header_entry(spec)
+        key, dtype, shape = _header_entry(spec)
         if spec.dtype not in SAFETENSORS_DTYPES:
             raw[key] = RAW_PICKLE if spec.dtype is None else str(spec.dtype)
         entries[key] = _entry(dtype, shape, p.begin, p.end)
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
     if raw:
         meta["raw_items"] = json.dumps(raw, sort_keys=True)
-    return encode_header(meta, entries, ALIGN, header_len)
+    return _encode_header(meta, entries, ALIGN, header_len)
 
 
-def encode_header(meta: dict[str, str], entries: dict[str, object], align: int,
+def _encode_header(meta: dict[str, str], entries: dict[str, object], align: int,
                   header_len: int | None = None) -> bytes:
     """The 8-byte length and the JSON header, padded with spaces so the data starts
     ``align``-aligned, or at ``header_len`` (a multiple of ``align``) when given."""
@@ -197,7 +197,7 @@ def encode_header(meta: dict[str, str], entries: dict[str, object], align: int,
     return struct.pack("<Q", len(body)) + body
 
 
-def header_entry(spec: ItemSpec) -> tuple[str, str, list[int]]:
+def _header_entry(spec: ItemSpec) -> tuple[str, str, list[int]]:
     """An item's header key, safetensors dtype and shape (raw items: ``U8`` bytes)."""
     dtype = SAFETENSORS_DTYPES.get(spec.dtype) if spec.dtype is not None else None
     if dtype is None:
@@ -220,17 +220,17 @@ def export_header(specs: list[ItemSpec], meta: dict[str, str]) -> bytes:
     entries: dict[str, object] = {}
     begin = 0
     for spec in specs:
-        key, dtype, shape = header_entry(spec)
+        key, dtype, shape = _header_entry(spec)
         entries[key] = _entry(dtype, shape, begin, begin + spec.nbytes)
         begin += spec.nbytes
-    return encode_header(meta, entries, 8)
+    return _encode_header(meta, entries, 8)
 
 
 def entry_mismatch(header: dict[str, object], data_start: int, spec: ItemSpec,
                    offset: int) -> str | None:
     """How the header's entry for ``spec`` (stored at file ``offset``) differs from what
     ``.metadata`` says: "dtype 'I32' in the header, 'F32' in .metadata"; None if it agrees."""
-    key, dtype, shape = header_entry(spec)
+    key, dtype, shape = _header_entry(spec)
     entry = header.get(key)
     begin = offset - data_start
     want = _entry(dtype, shape, begin, begin + spec.nbytes)

@@ -62,7 +62,7 @@ def checkpoint_path(value: str | os.PathLike) -> Path:
     return Path(os.path.expanduser(value))
 
 
-def fs_magic(directory: Path) -> int | None:
+def _fs_magic(directory: Path) -> int | None:
     """The file system type (statfs ``f_type``) of ``directory``, None where unknown."""
     buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field (a long)
     if _libc.statfs(os.fsencode(directory), buf) != 0:
@@ -70,8 +70,8 @@ def fs_magic(directory: Path) -> int | None:
     return ctypes.c_long.from_buffer(buf).value
 
 
-def fs_name(directory: Path) -> str:
-    magic = fs_magic(directory)
+def _fs_name(directory: Path) -> str:
+    magic = _fs_magic(directory)
     if magic is None:
         return "unknown"
     return _FS_NAMES.get(magic, f"0x{magic:x}")
@@ -79,10 +79,10 @@ def fs_name(directory: Path) -> str:
 
 def memory_backed(directory: Path) -> bool:
     """Whether ``directory`` lives on a memory file system (tmpfs, ramfs)."""
-    return fs_magic(directory) in _MEMORY_FS
+    return _fs_magic(directory) in _MEMORY_FS
 
 
-def existing_ancestor(path: Path) -> Path:
+def _existing_ancestor(path: Path) -> Path:
     """``path`` or its nearest ancestor that exists."""
     path = Path(os.path.abspath(path))
     while not path.exists() and path.parent != path:
@@ -92,10 +92,10 @@ def existing_ancestor(path: Path) -> Path:
 
 def check_direct_io(directory: Path) -> None:
     """Raise ValueError, naming the path and file system, where O_DIRECT files cannot be made."""
-    where = existing_ancestor(directory)
+    where = _existing_ancestor(directory)
     if memory_backed(where):
         raise ValueError(
-            f"direct_io=True but {where} is on {fs_name(where)}, a memory file system where "
+            f"direct_io=True but {where} is on {_fs_name(where)}, a memory file system where "
             f"O_DIRECT bypasses nothing; pass direct_io=None (use it where it helps) or False")
     probe = where / f".dcp_datastates_probe_{uuid.uuid4().hex}"
     try:
@@ -103,7 +103,7 @@ def check_direct_io(directory: Path) -> None:
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             raise ValueError(
-                f"direct_io=True but {where} is on {fs_name(where)}, which refuses O_DIRECT; "
+                f"direct_io=True but {where} is on {_fs_name(where)}, which refuses O_DIRECT; "
                 f"pass direct_io=None (use it where possible) or False"
             ) from None
         return  # not writable etc.: the save itself reports that, with its own path

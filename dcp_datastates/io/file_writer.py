@@ -49,7 +49,7 @@ class Piece:
         return self.offset + self.nbytes
 
 
-def coalesce(pieces: list[Piece]) -> list[Piece]:
+def _coalesce(pieces: list[Piece]) -> list[Piece]:
     """Sort ``pieces`` by file offset and merge neighbours that one lease holds in file order."""
     runs: list[Piece] = []
     for p in sorted((p for p in pieces if p.nbytes), key=lambda p: p.offset):
@@ -64,7 +64,7 @@ def coalesce(pieces: list[Piece]) -> list[Piece]:
     return runs
 
 
-def open_for_write(path: Path, direct: bool | None, create: bool = True) -> tuple[int, bool]:
+def _open_for_write(path: Path, direct: bool | None, create: bool = True) -> tuple[int, bool]:
     """Create ``path`` (it must not exist; with ``create`` False, open the file there);
     O_DIRECT when asked or, for None, when it helps.
 
@@ -97,7 +97,7 @@ class DataFile:
         self.bounce = bounce
         self.submit = submit
         self.extent = min(EXTENT_BYTES, max(ALIGN, bounce.capacity // 4 // ALIGN * ALIGN))
-        self.fd, self.direct = open_for_write(path, direct, create)
+        self.fd, self.direct = _open_for_write(path, direct, create)
         self._cancel = threading.Event()
         self._queued = threading.BoundedSemaphore(MAX_QUEUED)
         self._futures: list[Future] = []
@@ -115,7 +115,7 @@ class DataFile:
     def write(self, pieces: list[Piece]) -> None:
         """Start writing ``pieces`` (returns once the last batch is queued; :meth:`finish`
         waits for them)."""
-        runs = coalesce(pieces)
+        runs = _coalesce(pieces)
         if not self.direct:
             reqs = [IOReq(r.addr + s, min(self.extent, r.nbytes - s), r.offset + s)
                     for r in runs for s in range(0, r.nbytes, self.extent)]

@@ -67,14 +67,14 @@ def copy_checkpoint(engine: Engine, source: Path, target: Path, *,
     for name in sorted(data_files(metadata)):
         what = f"checkpoint {source}, file {name}"
         _check_header(source / name, metadata, items[name], what)
-        copy_file(engine, source / name, target / name, items[name], what)
+        _copy_file(engine, source / name, target / name, items[name], what)
     if part is not None:
         part.mkdir()
     commit(part or target, metadata, new_token(), data_dir=target if part else None)
     return metadata
 
 
-def copy_file(engine: Engine, source: Path, target: Path, items: list[Item],
+def _copy_file(engine: Engine, source: Path, target: Path, items: list[Item],
               what: str) -> None:
     """Copy one data file through the engine's I/O backend, checking the checksums of its
     ``items`` on the way (``what``: the file, in errors); its directory entry is made durable

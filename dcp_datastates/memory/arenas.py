@@ -45,7 +45,7 @@ class Memory(enum.Enum):
     QUEUE = "queue"  # work already waits for the cache: stage behind it with after_arena
 
 
-def available_memory() -> int:
+def _available_memory() -> int:
     """``MemAvailable`` from /proc/meminfo, in bytes (total RAM where it cannot be read)."""
     try:
         with open("/proc/meminfo") as f:
@@ -57,7 +57,7 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def snapshot_size(fixed: int | None, nbytes: int, current: Arena | None) -> tuple[int | None, str]:
+def _snapshot_size(fixed: int | None, nbytes: int, current: Arena | None) -> tuple[int | None, str]:
     """The size of a new snapshot arena for a state of ``nbytes``, and why (None: keep
     ``current``)."""
     if fixed is not None:
@@ -69,7 +69,7 @@ def snapshot_size(fixed: int | None, nbytes: int, current: Arena | None) -> tupl
     if current is not None and current.nbytes >= want:
         return None, ""
     cap = round_up(int(AUTO_MEMORY_FRACTION * (
-        available_memory() + (current.nbytes if current else 0))))
+        _available_memory() + (current.nbytes if current else 0))))
     size = min(want, cap)
     if current is not None and current.nbytes >= size:
         return None, ""
@@ -203,7 +203,7 @@ class Arenas:
             self.check_open()
             if self._queued:
                 return Memory.QUEUE
-            if nbytes <= 0 or snapshot_size(self.fixed_size, nbytes, self._snapshot)[0] is None:
+            if nbytes <= 0 or _snapshot_size(self.fixed_size, nbytes, self._snapshot)[0] is None:
                 return Memory.ARENA
             self._queue(self._make_in_background, nbytes)
         return Memory.ASIDE
@@ -271,9 +271,9 @@ class Arenas:
                     raise CheckpointError(f"the host cache could not be made: {failed}") \
                         from failed
                 current = self._snapshot
-                size, why = snapshot_size(self.fixed_size, nbytes, current)
+                size, why = _snapshot_size(self.fixed_size, nbytes, current)
                 if size is None:
-                    assert current is not None  # snapshot_size keeps only an arena there is
+                    assert current is not None  # _snapshot_size keeps only an arena there is
                     return current
             arena = self.pins.make(size, "snapshot")
             with self._lock:

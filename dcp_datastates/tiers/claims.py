@@ -84,7 +84,7 @@ def _holder(path: Path) -> tuple[int | None, str]:
         time.sleep(0.005)
 
 
-def ready_tier(directory: Path, what: str, mode: int, *, required: bool) -> bool:
+def _ready_tier(directory: Path, what: str, mode: int, *, required: bool) -> bool:
     """Check that the tier ``directory`` is this user's (:func:`~.private.check_tier`), and
     return whether this process may write it. ``required``: it is to be written, so it is
     made (with ``mode``) if need be, and CheckpointError (saying why and what to do) is
@@ -111,8 +111,8 @@ def ready_tier(directory: Path, what: str, mode: int, *, required: bool) -> bool
     return False
 
 
-def claim_tier(directory: Path, what: str, holder: str) -> TierClaim:
-    """Claim the tier ``directory`` (ready: :func:`ready_tier`) for ``holder``; raise
+def _claim_tier(directory: Path, what: str, holder: str) -> TierClaim:
+    """Claim the tier ``directory`` (ready: :func:`_ready_tier`) for ``holder``; raise
     CheckpointError naming it, the holder and its pid where another holds it."""
     try:
         return TierClaim(directory, what, holder)
@@ -123,12 +123,12 @@ def claim_tier(directory: Path, what: str, holder: str) -> TierClaim:
 @contextlib.contextmanager
 def claimed(directories: list[Path], what: str) -> Iterator[None]:
     """Hold the claims of the tiers ``directories`` for the ``persist`` command meanwhile
-    (it writes them while no manager does); raise as :func:`claim_tier` where another holds
+    (it writes them while no manager does); raise as :func:`_claim_tier` where another holds
     one. A tier it may not write (another user's job left it readable) is read unclaimed."""
     with contextlib.ExitStack() as held:
         for directory in directories:
-            if ready_tier(directory, what, MEMORY_MODE, required=False):
-                held.callback(claim_tier(directory, what, PERSIST_COMMAND).release)
+            if _ready_tier(directory, what, MEMORY_MODE, required=False):
+                held.callback(_claim_tier(directory, what, PERSIST_COMMAND).release)
         yield
 
 
@@ -139,12 +139,12 @@ def claimed_durable(directory: Path) -> Iterator[None]:
     and its pid; where another ``persist`` command does (a ``--partial`` run of another node),
     wait for it to end. A tier that does not exist yet (no manager holds it) or that this
     user may not write (the write fails, naming it) is not claimed."""
-    if not ready_tier(directory, "durable tier", DURABLE_MODE, required=False):
+    if not _ready_tier(directory, "durable tier", DURABLE_MODE, required=False):
         yield
         return
     while True:
         try:
-            claim = claim_tier(directory, "durable tier", PERSIST_COMMAND)
+            claim = _claim_tier(directory, "durable tier", PERSIST_COMMAND)
             break
         except CheckpointError:
             if _holder(directory / LOCK_NAME)[1] != PERSIST_COMMAND:
@@ -166,11 +166,11 @@ class TierClaims:
         self._held: list[TierClaim] = []
         error: Exception | None = None
         try:
-            ready_tier(memory, "memory tier", MEMORY_MODE, required=True)
-            self._held.append(claim_tier(memory, "memory tier", MANAGER))
-            if durable is not None and ready_tier(durable, "durable tier", DURABLE_MODE,
+            _ready_tier(memory, "memory tier", MEMORY_MODE, required=True)
+            self._held.append(_claim_tier(memory, "memory tier", MANAGER))
+            if durable is not None and _ready_tier(durable, "durable tier", DURABLE_MODE,
                                                   required=persists) and ranks.rank == 0:
-                self._held.append(claim_tier(durable, "durable tier", MANAGER))
+                self._held.append(_claim_tier(durable, "durable tier", MANAGER))
         except (CheckpointError, OSError) as exc:  # every rank must reach the gather
             error = exc
         errors = ranks.gather(None if error is None else str(error))

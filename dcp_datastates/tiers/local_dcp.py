@@ -39,7 +39,7 @@ def save(state: dict, writer: DataStatesWriter, planner: ReusingPlanner | None =
     (used by one save at a time) plans it, or DCP's default planner. The planner lets the
     state go when the save ends."""
     try:
-        with storage_errors():  # a full tier, a failed write
+        with _storage_errors():  # a full tier, a failed write
             _save_state_dict(state_dict=state, storage_writer=writer, no_dist=True,
                              planner=planner)
     finally:
@@ -51,7 +51,7 @@ def load(state: dict, directory: Path, reader: DataStatesReader) -> None:
     """Load the checkpoint in ``directory`` into ``state`` in place, as
     ``dcp.load(..., no_dist=True)`` does: ``Stateful`` values load their state dicts, others
     are replaced."""
-    with storage_errors():  # a checksum mismatch, a short file
+    with _storage_errors():  # a checksum mismatch, a short file
         reader.reset(str(directory))
         loaded = plain(state)
         _load_state_dict(state_dict=loaded, storage_reader=reader, no_dist=True)
@@ -67,7 +67,7 @@ def load_whole(directory: Path, reader: DataStatesReader) -> dict:
     nested as it was saved (DCP's ``_EmptyStateDictLoadPlanner``, as DCP's
     ``dcp_to_torch_save`` loads), in CPU memory."""
     state: dict = {}
-    with storage_errors():
+    with _storage_errors():
         reader.reset(str(directory))
         _load_state_dict(state_dict=state, storage_reader=reader, no_dist=True,
                          planner=_EmptyStateDictLoadPlanner())
@@ -75,7 +75,7 @@ def load_whole(directory: Path, reader: DataStatesReader) -> dict:
 
 
 @contextlib.contextmanager
-def storage_errors() -> Iterator[None]:
+def _storage_errors() -> Iterator[None]:
     """Raise what a storage step raised (an OSError, a CheckpointError) rather than DCP's
     ``CheckpointException`` that wraps it, which ``except Exception`` does not catch."""
     try:

@@ -52,13 +52,13 @@ def persist_part(engine: Engine, source: Path, target: Path, rank: int, world_si
         copy_checkpoint(engine, source, target, part=target / f"{PART_PREFIX}{rank}")
     except CheckpointCorruptError as exc:
         raise DamagedStepError(f"{source} is damaged, so it is not persisted: {exc}") from exc
-    done = commit_parts(target, world_size)
+    done = _commit_parts(target, world_size)
     if done:
-        sync_name(engine, target)
+        _sync_name(engine, target)
     return done
 
 
-def sync_name(engine: Engine, directory: Path) -> None:
+def _sync_name(engine: Engine, directory: Path) -> None:
     """Make ``directory``'s name in its parent durable (an fsync of the parent, through the
     engine's I/O path): a new step must survive a crash before retention removes the older
     ones, which a failure here keeps (it raises, naming the parent)."""
@@ -70,7 +70,7 @@ def sync_name(engine: Engine, directory: Path) -> None:
         os.close(fd)
 
 
-def commit_parts(target: Path, world_size: int) -> bool:
+def _commit_parts(target: Path, world_size: int) -> bool:
     """Merge and commit ``target``'s parts if all ``world_size`` are there (under the
     directory's claim, so one rank does it). Returns whether ``target`` is committed."""
     claim = _claim(target)

@@ -67,7 +67,7 @@ def held(views: list[dict]) -> set[int]:
                                        *(x for r in v["replicas"].values() for x in r))}
 
 
-def newer_than(views: list[dict], step: int) -> list[int]:
+def _newer_than(views: list[dict], step: int) -> list[int]:
     """Steps newer than ``step`` that some rank holds in some tier."""
     return sorted(s for s in held(views) if s > step)
 
@@ -105,7 +105,7 @@ class Restorer:
             bad = [(r, e) for r, e in enumerate(self.ranks.gather(error and _said(error)))
                    if e is not None]
             if not bad:
-                return chosen, newer_than(views, chosen)
+                return chosen, _newer_than(views, chosen)
             failures.append(f"step {chosen}: rank {bad[0][0]}: {bad[0][1]}")
             if step is not None:
                 raise error or CheckpointError(failures[-1])

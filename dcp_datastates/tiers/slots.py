@@ -74,7 +74,7 @@ SPARE = 1
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 1024
 
 
-def header_room(entries: int) -> int:
+def _header_room(entries: int) -> int:
     """Bytes a slot keeps before its data for the header of ``entries`` tensors."""
     return round_up(BASE_ROOM + ENTRY_BYTES * entries, ALIGN)
 
@@ -152,7 +152,7 @@ class Slot:
 
     def _room_for(self, entries: int) -> int:
         """Header room for ``entries`` tensors: what the slot has, or the pool's saves need."""
-        return max(self.room, self.pool.room, header_room(entries))
+        return max(self.room, self.pool.room, _header_room(entries))
 
     def need_room(self, header_len: int) -> None:
         """A header of ``header_len`` bytes did not fit: every slot makes the room (the free

@@ -47,7 +47,7 @@ DAMAGE_ERRORS: tuple[type[BaseException], ...] = (
     AttributeError, EOFError, pickle.UnpicklingError, RecursionError, MemoryError)
 
 
-def step_prefix(root: Path) -> str:
+def _step_prefix(root: Path) -> str:
     """How ``root`` names its step directories: ``step_`` unless its naming file says
     ``step-``."""
     path = root / NAMING_NAME
@@ -70,7 +70,7 @@ def name_steps(root: Path, prefix: str) -> None:
     if prefix not in PREFIXES:
         raise ValueError(f"step naming must be one of {sorted(PREFIXES)}, got {prefix!r}")
     root.mkdir(parents=True, exist_ok=True)
-    have = step_prefix(root)
+    have = _step_prefix(root)
     if have == prefix:
         return
     if steps(root):
@@ -82,7 +82,7 @@ def name_steps(root: Path, prefix: str) -> None:
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / f"{step_prefix(root)}{step}"
+    return root / f"{_step_prefix(root)}{step}"
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def steps(root: Path) -> list[int]:
         names = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return []
-    pattern = PREFIXES[step_prefix(root)]
+    pattern = PREFIXES[_step_prefix(root)]
     return sorted(int(m.group(1)) for n in names if (m := pattern.match(n)))
 
 
