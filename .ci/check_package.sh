@@ -94,6 +94,10 @@ assert not bad, f"sdist holds build outputs: {bad[:5]}"
 with zipfile.ZipFile(wheel) as z:
     assert "dcp_datastates/_lib/libdcp_uring.so" in z.namelist(), "wheel lacks the shim"
     assert "dcp_datastates/_lib/libdcp_hash.so" in z.namelist(), "wheel lacks libdcp_hash.so"
+    # every module of every sub-package (the sdist holds the source tree's)
+    missing = sorted(n for n in names if n.startswith("dcp_datastates/") and n.endswith(".py")
+                     and n not in z.namelist())
+    assert not missing, f"wheel lacks {missing[:5]}"
     meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
 deps = re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)[^;\n]*$", meta, re.M)
 assert {"torch", "safetensors", "xxhash", "numpy"} <= set(deps), deps
