@@ -1,10 +1,10 @@
-"""The thread that readies a memory tier's free slots in the background (sizes and pins them),
-so that neither ``prepare()`` nor a save waits for ``cudaHostRegister`` (seconds for a few
-GiB).
+"""A worker in the background: a step function run on a thread of its own whenever woken.
 
-:class:`Background` runs a step function (the slot pool's) on a thread of its own, started at
-the first :meth:`~Background.wake`, until the function has nothing left to do; a later wake
-runs it again. :meth:`~Background.close` stops it after the step in progress and joins it.
+:class:`Background` runs the step function on its thread, started at the first
+:meth:`~Background.wake`, until the function has nothing left to do; a later wake runs it
+again. :meth:`~Background.close` stops it after the step in progress and joins it. The memory
+tier's slot pool (``tiers/slots.py``) readies its free slots with one (sizes and pins them), so
+that neither ``prepare()`` nor a save waits for ``cudaHostRegister`` (slow for a large slot).
 """
 
 from __future__ import annotations
