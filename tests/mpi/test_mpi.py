@@ -515,8 +515,8 @@ def test_overwrite_on_several_ranks(world: World, shared: Path, engine: Engine) 
 # shares its null storage: the rank dies with SIGSEGV. A crash cannot be an xfail, so a child
 # process checks first whether the package still does it.
 STAGED_DTENSOR_PICKLE_BUG = (
-    "BUG: snapshot.py rebuild makes DTensor.from_local(<cache slice at offset != 0>); pickling "
-    "it for async_save(PROCESS) segfaults (torch takes the DTensor for a plain tensor)"
+    "BUG: jobs/snapshot.py rebuild makes DTensor.from_local(<cache slice at offset != 0>); "
+    "pickling it for async_save(PROCESS) segfaults (torch takes the DTensor for a plain tensor)"
 )
 _PICKLE_CANARY = """
 import torch, torch.distributed as dist, torch.multiprocessing
