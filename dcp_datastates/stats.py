@@ -15,12 +15,12 @@ log = logging.getLogger("dcp_datastates")
 
 @dataclass
 class SaveStats:
-    """One rank's figures for one save. Times are seconds from ``start`` (the ``async_save``
-    call, or the set-up of a plain ``dcp.save``); ``None`` where not measured (a plain save
-    takes no snapshot). ``copy_s``: the GPU time of the snapshot's device-to-host copies, from
-    their first byte (``snapshot_s`` also counts the wait for the work queued on the GPU before
-    the call, whose results the snapshot copies). ``overflow_bytes`` were staged outside the
-    cache, which was full."""
+    """*Stats*: one rank's figures for one storage save (a DCP save through the writer). Times are
+    seconds from ``start`` (the ``async_save`` call, or the set-up of a plain ``dcp.save``);
+    ``None`` where not measured (a plain save takes no snapshot). ``copy_s``: the GPU time of the
+    snapshot's device-to-host copies, from their first byte (``snapshot_s`` also counts the wait for
+    the work queued on the GPU before the call, whose results the snapshot copies).
+    ``overflow_bytes`` were staged outside the cache, which was full."""
 
     backend: str
     start: float = field(default_factory=time.perf_counter)

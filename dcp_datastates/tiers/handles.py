@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SaveFigures:
-    """One rank's figures for one managed save: when each of its stages was over (seconds
-    from the ``save`` call), across the tiers.
+    """*Figures*: one rank's milestones for one managed save: when each of its stages was
+    over (seconds from the ``save`` call), across the tiers.
 
     Not :class:`~dcp_datastates.stats.SaveStats`, which holds what one storage save did
     (bytes, flush time, I/O backend): a managed save spans a snapshot, the memory tier's
@@ -41,7 +41,7 @@ class SaveHandle:
     this rank's part there, and the commit of the step if this rank completed it).
 
     A save skipped under ``max_overhead`` has a ``reason``: nothing was staged or written, and
-    its futures are done (``result()`` returns None: a skip is no failure). ``copies_issued()``:
+    its futures are done (``result()`` returns None: a skip is no failure). ``staging_ordered()``:
     whether the guard no longer waits on the CPU for the snapshot (its copies are over, or
     issued on the GPU, where the training's next work queues behind them; it may still be
     moving from where it waited aside); None: once ``staged`` is done."""
@@ -51,7 +51,7 @@ class SaveHandle:
     committed: Future
     persisted: Future | None = None
     reason: str = ""
-    copies_issued: Callable[[], bool] | None = field(default=None, repr=False)
+    staging_ordered: Callable[[], bool] | None = field(default=None, repr=False)
     figures: SaveFigures = field(init=False)
     raised: bool = field(default=False, init=False)  # result() raised the save's error
 
