@@ -153,7 +153,7 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = Engine(host_cache_size=cache)
     engine.reserve(cache // 2).release()  # maps the host cache, starts the I/O backend
-    _ = engine.bounce
+    _ = engine.arenas.bounce
     writer = DataStatesWriter(engine=engine, overwrite=True)
     cache_s = time.perf_counter() - t0
     log(f"DataStatesWriter host cache {format_size(cache)} created in {cache_s:.3f} s "

@@ -120,7 +120,7 @@ def tune(run: Run, ctx: Ctx, nbytes: int, cache_size: str | None) -> None:
     t0 = time.perf_counter()
     ctx.engine = Engine(host_cache_size=cache)
     ctx.engine.reserve(nbytes).release()
-    _ = ctx.engine.bounce
+    _ = ctx.engine.arenas.bounce
     ctx.writer = DataStatesWriter(engine=ctx.engine, overwrite=True)
     run.res["setup"]["ours_tuned_engine_s"] = time.perf_counter() - t0
 

@@ -130,7 +130,7 @@ def idle(name: str, tr: bt.Trainer, a: argparse.Namespace, save_and_wait, res: d
 
 WATCH = {"_stage", "place_sources", "offsets_of", "_target_lease", "lease", "hold", "copy_into",
          "_zero_gaps", "copy", "rebuild", "deliver", "_staged", "record_current", "stage",
-         "_upload", "save", "write_data_file", "commit", "after_commit", "wait_for_snapshots"}
+         "_upload", "save", "write_data_file", "commit", "after_commit", "wait_for_staging"}
 
 
 def timeline(events: list) -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Protocol
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -31,8 +31,8 @@ from torch.utils.hooks import RemovableHandle
 from .arguments import checked_keywords
 from .cuda import cuda_copy
 from .io import FALLBACK, IOBackend, make_backend
-from .memory.arenas import Arenas, MakeArena, Memory, Pinning
-from .memory.aside import Aside, fits_on_gpu
+from .memory.arenas import Arenas, MakeArena, Pinning
+from .memory.aside import fits_on_gpu
 from .memory.host_cache import Arena, Lease
 from .sizes import parse_size
 from .workers.executors import Executors
@@ -61,7 +61,7 @@ class Work(Protocol):
 
 
 class Saves(Work, Protocol):
-    """The save order that ``jobs/ordering.py`` attaches to an engine: what the engine asks."""
+    """The save order that ``jobs/ordering.py`` attaches to an engine (``engine.saves``)."""
 
     def new_job(self) -> object:
         """A save job holding the next ticket."""
@@ -69,11 +69,11 @@ class Saves(Work, Protocol):
     def reap(self) -> None:
         """End the saves DCP abandoned."""
 
-    def wait_for_snapshots(self) -> None:
-        """Block until every snapshot staged so far has been copied."""
+    def wait_for_staging(self) -> None:
+        """Block until every snapshot so far is staged."""
 
-    def order_after_snapshots(self) -> None:
-        """Hold the calling thread's next GPU work until those snapshots are copied."""
+    def order_after_staging(self) -> None:
+        """Hold the calling thread's next work until those snapshots are staged (ordered)."""
 
     def memory_given_up(self) -> bool:
         """Whether a wait for cache memory should stop: only untaken snapshots hold it."""
@@ -130,7 +130,7 @@ class Engine:
         if (why := cuda_copy.why_unavailable()) is not None:
             log.warning("dcp_datastates: %s", why)
         self.threads = Executors(io_workers, settle_pool)
-        self._arenas = Arenas(Pinning(self.io, self.cuda, make_arena), self.fixed_size,
+        self.arenas = Arenas(Pinning(self.io, self.cuda, make_arena), self.fixed_size,
                               self.check_open)
         self._lock = threading.Lock()
         self.saves: Saves | None = None  # attached by jobs/ordering.py at the first save
@@ -150,32 +150,10 @@ class Engine:
         self.close()
 
     # -- host cache -----------------------------------------------------------------------------
-    def snapshot_memory(self, nbytes: int) -> Memory:
-        """Where a snapshot of ``nbytes`` goes now: ``Memory.ARENA``, the cache (reserve
-        it); otherwise queue what needs the cache with :meth:`after_arena` (``Memory.ASIDE``:
-        the cache is being made from now, copy the snapshot aside meanwhile)."""
-        return self._arenas.snapshot_memory(nbytes)
-
-    def after_arena(self, fn: Callable, *args: object) -> Future:
-        """Run ``fn(*args)`` on the arena thread, once the work queued there before is over."""
-        return self._arenas.after_arena(fn, *args)
-
-    def move_aside(self, aside: Aside, fn: Callable, *args: object,
-                   when: Callable[[Callable[[], None]], None] | None = None,
-                   failed: Callable[[BaseException], None] | None = None) -> None:
-        """Queue ``fn(*args)``, the move of a snapshot waiting ``aside`` into the cache, on
-        the arena thread (at once, or once ``when`` calls back: see ``Arenas.move_aside``);
-        the engine frees ``aside`` after it."""
-        self._arenas.move_aside(aside, fn, *args, when=when, failed=failed)
-
     def aside_fits_on_gpu(self, sources: list[torch.Tensor]) -> bool:
         """Whether a copy aside of ``sources`` now keeps every GPU source on the GPU (none in
-        pageable host memory, where it is slow: ``aside.fits_on_gpu``)."""
+        pageable host memory, where it is slow: ``aside.fits_on_gpu``); tests override it."""
         return fits_on_gpu(sources, self.cuda)
-
-    def aside_bytes(self) -> int:
-        """Bytes of snapshots waiting aside for the cache (0 once it is ready and they moved)."""
-        return self._arenas.aside_bytes()
 
     def reserve(self, nbytes: int, *, wait: bool = True) -> Lease | None:
         """A snapshot lease of ``nbytes`` (less where the cache is smaller: the caller stages
@@ -190,7 +168,7 @@ class Engine:
         """
         if nbytes <= 0:
             return None
-        arena = self._arenas.snapshot_arena(nbytes)
+        arena = self.arenas.snapshot_arena(nbytes)
         need = min(nbytes, arena.nbytes)
         while (lease := arena.pool.try_allocate(need)) is None:
             if not wait:
@@ -201,18 +179,13 @@ class Engine:
             arena.pool.wait_for_release(POLL_S)
         return lease
 
-    @property
-    def bounce(self) -> Arena:
-        """The arena of short-lived flush and restore buffers (made at first use)."""
-        return self._arenas.bounce
-
     def cache_bytes(self) -> int:
         """Bytes of host memory the engine's arenas hold now (retiring ones included)."""
-        return self._arenas.cache_bytes()
+        return self.arenas.cache_bytes()
 
     def live_leases(self) -> int:
         """Leases handed out and not yet released (0 when no save holds memory)."""
-        return self._arenas.live_leases()
+        return self.arenas.live_leases()
 
     def map_file(self, fd: int, nbytes: int, name: str, *, pin: bool = True) -> Arena:
         """The first ``nbytes`` of the file ``fd`` mapped shared and pinned for GPU copies:
@@ -220,21 +193,17 @@ class Engine:
         :meth:`close`. Pinning takes seconds for a few GiB; with ``pin=False`` the arena is
         mapped only (copies into it work, slower) until :meth:`pin_file`."""
         self.check_open()
-        return self._arenas.files.map(fd, nbytes, name, pin)
+        return self.arenas.files.map(fd, nbytes, name, pin)
 
     def pin_file(self, arena: Arena) -> None:
         """Pin an arena of ``map_file(pin=False)`` on the caller's thread (no copy into it
         may run meanwhile); nothing to do without a GPU, or where it is pinned."""
-        self._arenas.files.pin(arena)
+        self.arenas.files.pin(arena)
 
     def unmap_file(self, arena: Arena) -> None:
         """Unpin and unmap an arena of :meth:`map_file` (idempotent; raises while a lease of
         it is live)."""
-        self._arenas.files.unmap(arena)
-
-    def free_retired(self) -> None:
-        """Free the arenas the cache outgrew once no lease of theirs is live."""
-        self._arenas.free_retired()
+        self.arenas.files.unmap(arena)
 
     # -- work the engine waits for at close ------------------------------------------------------
     def attach_saves(self, make: Callable[[Engine], Saves]) -> Saves:
@@ -256,35 +225,17 @@ class Engine:
             if work in self._work:
                 self._work.remove(work)
 
-    def new_save_job(self) -> object:
-        """A save job of the engine's save order (attached by the first writer's save)."""
-        self.check_open()
-        if self.saves is None:
-            raise RuntimeError("no save order is attached to this engine: saves are made by "
-                               "DataStatesWriter")
-        return self.saves.new_job()
-
-    def reap_abandoned(self) -> None:
-        """End the saves DCP abandoned (the save order's rules)."""
-        if self.saves is not None:
-            self.saves.reap()
-
-    def wait_for_snapshots(self) -> None:
-        """Block until every snapshot staged so far has been copied (failed ones included)."""
-        if self.saves is not None:
-            self.saves.wait_for_snapshots()
-
-    def order_after_snapshots(self) -> None:
+    def order_after_staging(self) -> None:
         """Hold the work the calling thread queues next until every snapshot staged so far has
         been copied: GPU work waits on the GPU for copies issued on the side streams (this
         returns at once), anything else waits here (what :func:`~dcp_datastates.guard` does
         before ``optimizer.step()``)."""
         if self.saves is not None:
-            self.saves.order_after_snapshots()
+            self.saves.order_after_staging()
 
     def order_optimizer_steps(self) -> None:
         """From the engine's first snapshot until it closes, every optimizer's ``step()`` is
-        ordered after the snapshots staged so far (:meth:`order_after_snapshots`), as
+        ordered after the snapshots staged so far (:meth:`order_after_staging`), as
         :func:`~dcp_datastates.guard` does for one optimizer: the step is where training
         changes the state a lazy snapshot copies."""
         with self._lock:
@@ -300,7 +251,7 @@ class Engine:
         return handle
 
     def _before_step(self) -> None:
-        wait = self.order_after_snapshots
+        wait = self.order_after_staging
         for timer in list(self._step_timers.values()):
             wait = functools.partial(timer, wait)
         wait()
@@ -350,7 +301,7 @@ class Engine:
         for w in work:
             w.end()
         self.threads.shutdown()
-        self._arenas.close()
+        self.arenas.close()
         if self.cuda is not None:
             self.cuda.close()
         if self._owns_io:

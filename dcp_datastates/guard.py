@@ -17,7 +17,7 @@ class SnapshotSource(Protocol):
     """What orders work after the snapshots staged so far: an :class:`Engine` or a
     ``CheckpointManager``."""
 
-    def order_after_snapshots(self) -> None: ...
+    def order_after_staging(self) -> None: ...
 
 
 def guard(optimizer: torch.optim.Optimizer,
@@ -35,12 +35,7 @@ def guard(optimizer: torch.optim.Optimizer,
     only the snapshot's copy aside is waited for, not the cache. Call ``.remove()`` on the
     handle to take it off.
     """
-    if isinstance(source, DataStatesWriter):
-        order = source.order_after_snapshot
-    elif source is not None:
-        order = source.order_after_snapshots
-    else:
-        order = _order_default
+    order = source.order_after_staging if source is not None else _order_default
     return optimizer.register_step_pre_hook(lambda opt, args, kwargs: order())
 
 
@@ -48,4 +43,4 @@ def _order_default() -> None:
     """Order after the process's engine of the moment (none made yet: nothing to wait for)."""
     engine = current_default()
     if engine is not None:
-        engine.order_after_snapshots()
+        engine.order_after_staging()

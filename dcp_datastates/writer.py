@@ -110,29 +110,29 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def synchronize_staging(self) -> None:
         """Wait for the latest snapshot's copies (DCP's older protocol)."""
-        self.wait_for_snapshot()
+        self.wait_for_staging()
 
-    def wait_for_snapshot(self) -> None:
-        """Block until the latest snapshot's copies are done (at once if none is pending).
+    def wait_for_staging(self) -> None:
+        """Block until the latest snapshot is staged (at once if none is pending).
 
         A failed snapshot does not raise here: its error reaches the save's future.
         """
         if self._last is not None:
-            self._last.copied.wait()
+            self._last.staging.wait()
 
-    def snapshot_copied(self) -> bool:
-        """Whether the latest snapshot's copies are over (True where none was staged)."""
-        return self._last is None or self._last.copied.is_set()
+    def staging_done(self) -> bool:
+        """Whether the latest snapshot is staged (True where none was)."""
+        return self._last is None or self._last.staging.is_set()
 
-    def snapshot_issued(self) -> bool:
-        """Whether :meth:`order_after_snapshot` returns at once: the latest snapshot's copies
-        are over, or issued on the GPU (True where none was staged)."""
-        return self._last is None or self._last.copied.passable()
+    def staging_ordered(self) -> bool:
+        """Whether the latest snapshot's staging is ordered (:meth:`order_after_staging` returns
+        at once): its copies over, or queued on the GPU (True where none was staged)."""
+        return self._last is None or self._last.staging.ordered()
 
-    def order_after_snapshot(self) -> None:
-        """Hold the work the calling thread queues next until the latest snapshot's copies
-        are done: on the GPU where they were issued there (see
-        :meth:`Engine.order_after_snapshots`)."""
+    def order_after_staging(self) -> None:
+        """Hold the work the calling thread queues next until the latest snapshot is staged:
+        on the GPU where its copies were queued there (see
+        :meth:`Engine.order_after_staging`)."""
         if self._last is not None:
             self._last.order_after(self.engine.cuda)
 
@@ -147,12 +147,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         job = self._staged.take()
         if job is None:  # a plain save: no snapshot, nothing for the training to wait for
             job = self._last = new_save_job(self.engine)
-            job.copied.set()
+            job.staging.set()
         self._running[threading.get_ident()] = job
         try:
             if checkpoint_id is not None:
                 self.path = checkpoint_path(checkpoint_id)
-            job.claim()
+            job.run_here()
             job.directory = self._checkpoint_dir()
             if self.direct_io:
                 check_direct_io(job.directory)

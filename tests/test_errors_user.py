@@ -37,6 +37,7 @@ from dcp_datastates import (
     Engine,
 )
 from dcp_datastates.errors import StateDictMismatchError
+from dcp_datastates.jobs.save import new_save_job
 
 HINT = "storage_reader=dcp_datastates.DataStatesReader()"
 
@@ -351,9 +352,9 @@ def test_engine_close_frees_its_memory_and_refuses_further_use(
     with pytest.raises(RuntimeError, match=closed):
         engine.reserve(4096)
     with pytest.raises(RuntimeError, match=closed):
-        _ = engine.bounce
+        _ = engine.arenas.bounce
     with pytest.raises(RuntimeError, match=closed):
-        engine.new_save_job()
+        new_save_job(engine)
     with raises_in_dcp(RuntimeError, closed):
         save(state, tmp_path / "b", DataStatesWriter(engine=engine))
     assert not (tmp_path / "b" / ".metadata").exists()

@@ -84,7 +84,7 @@ def _copy_file(engine: Engine, source: Path, target: Path, items: list[Item],
         checks = _start_checks(engine, addr, size, items, what)
         file = None
         try:
-            file = DataFile(target, None, engine.io, engine.bounce.pool, engine.submit)
+            file = DataFile(target, None, engine.io, engine.arenas.bounce.pool, engine.submit)
             file.preallocate(size)
             file.write([Piece(0, addr, size)])
             _settle(checks)

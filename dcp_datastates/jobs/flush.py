@@ -101,7 +101,7 @@ def write_data_file(job: FlushedSave, plan: SavePlan, planner: SavePlanner,
     if in_place:
         assert job.target is not None  # in place: the snapshot lies in the target
         path = job.target.adopt(path)
-    file = DataFile(path, direct_io, job.engine.io, job.engine.bounce.pool,
+    file = DataFile(path, direct_io, job.engine.io, job.engine.arenas.bounce.pool,
                     job.engine.submit, create=not in_place)
     final, raw_offsets, sizes, checksums = _write(job, file, draft, placed, tensors, offsets,
                                                   raw_names, serialized, in_place)

@@ -144,7 +144,7 @@ class LoadJob:
         large: list[tuple[ReadItem, torch.Tensor | None, Future[bytes | None]]] = []
         groups: list[Future[list[_Read]]] = []
         small: dict[str, list[_Small]] = defaultdict(list)
-        bounce = self.engine.bounce.pool.capacity  # a group must fit in one bounce lease
+        bounce = self.engine.arenas.bounce.pool.capacity  # a group must fit in one bounce lease
         small_max = min(SMALL_ITEM_BYTES, bounce)
         try:
             for req in plan.items:
@@ -180,7 +180,7 @@ class LoadJob:
         """Read the items' bytes in one request, verify each, copy each into its target."""
         lo = items[0].loc.offset
         hi = max(i.loc.offset + i.loc.length for i in items)
-        lease = self.engine.bounce.pool.allocate(hi - lo)
+        lease = self.engine.arenas.bounce.pool.allocate(hi - lo)
         try:
             try:
                 self.engine.io.read(f.fd, items[0].loc.file, [IOReq(lease.addr, hi - lo, lo)])
@@ -304,7 +304,7 @@ class LoadJob:
 
         Extents are whole checksum blocks, so each is verified on its own before its copy.
         """
-        pool, block, streams = self.engine.bounce.pool, loc.block, self.engine.cuda
+        pool, block, streams = self.engine.arenas.bounce.pool, loc.block, self.engine.cuda
         assert streams is not None  # _read_tensor reads to the GPU only with a copier
         lo, hi = a, b
         if self.verify_checksums:

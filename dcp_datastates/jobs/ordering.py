@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import torch.distributed.checkpoint as _dcp
 
 from ..errors import CheckpointError
-from .fence import CopyFence
+from .fence import StagingFence
 
 if TYPE_CHECKING:
     from ..cuda.cuda_copy import CudaCopier
@@ -191,7 +191,7 @@ class OrderedSave(Protocol):
     def tie(self) -> Tie: ...
 
     @property
-    def copied(self) -> CopyFence: ...
+    def staging(self) -> StagingFence: ...
 
     @property
     def ended(self) -> bool: ...
@@ -238,7 +238,7 @@ class SaveOrder(Generic[J]):
         with self._lock:
             self._jobs.pop(job.ticket, None)
             self._lock.notify_all()
-        self.engine.free_retired()
+        self.engine.arenas.free_retired()
 
     def run(self, job: J, call: int) -> None:
         """The calling thread runs ``job`` from DCP call ``call`` on (rule 1: any other save
@@ -270,16 +270,16 @@ class SaveOrder(Generic[J]):
                 self._lock.wait(POLL_S)
             self.reap()
 
-    def wait_for_snapshots(self) -> None:
-        """Block until every snapshot staged so far has been copied (failed ones included)."""
+    def wait_for_staging(self) -> None:
+        """Block until every snapshot so far is staged (failed ones included)."""
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
-            job.copied.wait()
+            job.staging.wait()
 
-    def order_after_snapshots(self) -> None:
+    def order_after_staging(self) -> None:
         """Hold the work the calling thread queues next until every snapshot staged so far
-        has been copied: on the GPU where the copies are issued (:meth:`CopyFence.order`)."""
+        is staged: on the GPU where it is ordered (:meth:`StagingFence.order`)."""
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:

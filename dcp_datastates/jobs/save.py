@@ -44,7 +44,7 @@ from ..memory.host_cache import Lease, nbytes_of
 from ..sizes import format_size
 from ..stats import SaveStats
 from .commit import commit
-from .fence import CopyFence
+from .fence import StagingFence
 from .flush import write_data_file
 from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
 from .snapshot import (
@@ -122,8 +122,8 @@ class SaveJob:
         self.state = SaveState.PLANNED
         self.stats = SaveStats(backend=engine.io.name)
         self.tie = Tie()  # how DCP holds this save (judged by the save order)
-        self.copied = CopyFence()  # the sources are copied (or queued behind): may change
-        self.settled = threading.Event()  # staging is over: no copy into the lease is left
+        self.staging = StagingFence()  # staged (or ordered): the sources may change
+        self.quiet = threading.Event()  # no copy reads the sources or fills the lease
         self.committed: Future = Future()  # this rank's part over (the coordinator: committed)
         self.is_coordinator = True
         self.token = new_token()
@@ -157,7 +157,7 @@ class SaveJob:
                                       if t.is_cuda})
             devices = {t.device.index for t in sources if t.is_cuda}
             if not devices:
-                self.copied.release_sources()
+                self.staging.release_sources()
             cuda = self.engine.cuda
             ready = cuda.record_current(devices) if devices and cuda is not None else None
             self.engine.order_optimizer_steps()
@@ -184,12 +184,12 @@ class SaveJob:
                 self._stage_aside(plan, self._into_target, f"{self.target} is not ready yet")
                 return
             lease = self.hold(_target_lease(self.target, plan, self.ticket))
-            memory = Memory.ARENA if lease is not None else self.engine.snapshot_memory(
+            memory = Memory.ARENA if lease is not None else self.engine.arenas.snapshot_memory(
                 plan.total)
             if memory is Memory.ARENA:
                 self._copy(plan, lease)
             elif memory is Memory.QUEUE:
-                self.engine.after_arena(self._copy, plan, None)
+                self.engine.arenas.after_arena(self._copy, plan, None)
             else:
                 self._stage_aside(plan, self._copy, "the host cache is being made")
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
@@ -202,7 +202,7 @@ class SaveJob:
         into the host cache once it is made there."""
         try:
             aside = stash(plan.sources, self.engine.cuda, plan.ready,
-                          issued=self.copied.publish)
+                          issued=self.staging.publish)
         finally:
             plan.drop_events(self.engine.cuda)
         if (error := self._written(plan)) is not None:
@@ -212,9 +212,9 @@ class SaveJob:
         plan.sources = list(aside.views)
         where = f"{format_size(aside.gpu_bytes)} on the GPU, {format_size(aside.host_bytes)} " \
                 "in pageable memory"
-        self.engine.move_aside(aside, move, plan, None, failed=self.end,
+        self.engine.arenas.move_aside(aside, move, plan, None, failed=self.end,
                                when=self.target.when_ready if self.target is not None else None)
-        self.copied.set()
+        self.staging.set()
         log.info("dcp_datastates: save %d: %s; the snapshot waits aside meanwhile (%s)",
                  self.ticket, why, where)
 
@@ -231,18 +231,18 @@ class SaveJob:
     def _copy(self, plan: _Plan, lease: Lease | None) -> None:
         """Issue the snapshot's copies into ``lease`` (the job's already; None: a lease of the
         cache); the settle thread waits for them, while this one may issue the next snapshot's."""
-        with self._lock:  # from here, an end leaves the leases to _settled (after the copies)
+        with self._lock:  # from here, an end leaves the leases to _go_quiet (after the copies)
             ended, self._in_flight = self._ended, not self._ended
         if ended:
-            return self._settled(plan)
+            return self._go_quiet(plan)
         try:
             held = lease if lease is not None else self.hold(self.engine.reserve(plan.total))
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, copies = issue_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,
-                plan.dtensors, self.copied.publish)
+                plan.dtensors, self.staging.publish)
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
-            self._settled(plan)
+            self._go_quiet(plan)
             return self.end(exc)
         self.engine.after_copies(self._settle, plan, snapshot, staged, copies)
 
@@ -260,7 +260,7 @@ class SaveJob:
                 state = rebuild(plan.skeleton, staged, {})
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
             error = exc
-        self._settled(plan)  # before the futures tell of an error: nothing is held then
+        self._go_quiet(plan)  # before the futures tell of an error: nothing is held then
         if error is not None:
             return self.end(error)
         if self._ended:  # closed or discarded meanwhile: nothing to hand out
@@ -268,7 +268,7 @@ class SaveJob:
         self.snapshot, self.state = snapshot, SaveState.STAGED
         _note_staged(self.stats, staged, snapshot.overflow, self.ticket)
         self.tie.deliver(state)
-        self.copied.set()  # after the staged future: a guard that waited finds it done
+        self.staging.set()  # after the staged future: a guard that waited finds it done
 
     def _written(self, plan: _Plan) -> CheckpointError | None:
         """The error of a save some of whose sources were written in place before their
@@ -289,17 +289,17 @@ class SaveJob:
     def order_after(self, cuda: CudaCopier | None) -> None:
         """Hold the work the calling thread queues next until the snapshot's copies are over
         (on the GPU where they were issued there): the sources may change from then on."""
-        self.copied.order(cuda)
+        self.staging.order(cuda)
         self.writes.fence()
 
-    def _settled(self, plan: _Plan) -> None:  # no copy reads the sources or fills the lease
+    def _go_quiet(self, plan: _Plan) -> None:  # no copy reads the sources or fills the lease
         plan.sources.clear()
         plan.drop_events(self.engine.cuda)
         with self._lock:
             self._in_flight, ended = False, self._ended
         if ended:  # the leases that end() left for after the copies
             self._release(claim=False)
-        self.settled.set()
+        self.quiet.set()
 
     def hold(self, lease: Lease | None) -> Lease | None:
         """Keep ``lease`` until the job ends (or its bytes are in the file)."""
@@ -312,7 +312,7 @@ class SaveJob:
         return lease
 
     # -- the DCP save ---------------------------------------------------------------------------
-    def claim(self) -> None:
+    def run_here(self) -> None:
         """The calling thread runs this save now (DCP's ``reset``); any save it left
         unfinished is over."""
         self.order.run(self, CALLS.index("reset"))
@@ -398,8 +398,8 @@ class SaveJob:
                     future.set_result(None)
                 else:
                     future.set_exception(error)
-        self.copied.set()
-        self.settled.set()
+        self.staging.set()
+        self.quiet.set()
         self.order.done(self)
 
     @property
@@ -410,7 +410,7 @@ class SaveJob:
         return bool(self.leases)
 
     def _release(self, claim: bool = True) -> None:
-        """Return the leases (copies in flight: :meth:`_settled`, after them) and the claim."""
+        """Return the leases (copies in flight: :meth:`_go_quiet`, after them) and the claim."""
         with self._lock:
             leases, self.leases = ([], self.leases) if self._in_flight else (self.leases, [])
             held, self._claim = (self._claim, None) if claim else (None, self._claim)

@@ -34,6 +34,6 @@ class StagedSaves:
         with self._lock:
             jobs, self._jobs = self._jobs, []
         for job in jobs:
-            job.settled.wait()  # its staging must be done with the lease
+            job.quiet.wait()  # its staging must be done with the lease
             if job.tie.caller is None:
                 job.end(CheckpointError(f"save {job.ticket}'s snapshot was discarded by close()"))

@@ -1,7 +1,7 @@
 """The overhead budget (``max_overhead``): which saves the training thread can afford.
 
 A save costs the training thread its ``save()`` call, the guard's waits for its snapshot
-(:meth:`CheckpointManager.wait_for_snapshots`), and the slowdown of the loop while it is in
+(:meth:`CheckpointManager.wait_for_staging`), and the slowdown of the loop while it is in
 flight (CheckFreq's measure): its snapshot copies and its memory commit run on other threads,
 yet slow the training steps (GIL, memory bandwidth) without waiting anywhere. :class:`Drag`
 measures that slowdown on the intervals between ``save()`` calls (a step, or N steps): against
@@ -300,7 +300,7 @@ class Budget:
         the GPU; a save is settled once its commit is done and its slowdown charged."""
         handle = self._open
         if handle is not None and (handle.staged.done() or (
-                handle.copies_issued is not None and handle.copies_issued())):
+                handle.staging_ordered is not None and handle.staging_ordered())):
             self.account.guess(_cost(handle))
             self._open = None
         for handle in self.drag.over(now):

@@ -254,13 +254,14 @@ class CheckpointManager:
             self._slots.prepare(*_snapshot_size(state), wait=wait)
 
     # -- waiting --------------------------------------------------------------------------------
-    def wait_for_snapshots(self) -> None:
-        """Block until every snapshot staged so far is copied (a cost under ``max_overhead``)."""
-        self._wait(self.engine.wait_for_snapshots)
+    def wait_for_staging(self) -> None:
+        """Block until every snapshot so far is staged (a cost under ``max_overhead``)."""
+        saves = self.engine.saves
+        self._wait(saves.wait_for_staging if saves is not None else lambda: None)
 
-    def order_after_snapshots(self) -> None:
-        """What ``guard`` calls (:meth:`Engine.order_after_snapshots`), counted as above."""
-        self._wait(self.engine.order_after_snapshots)
+    def order_after_staging(self) -> None:
+        """What ``guard`` calls (:meth:`Engine.order_after_staging`), counted as above."""
+        self._wait(self.engine.order_after_staging)
 
     def _wait(self, wait: Callable[[], None]) -> None:
         wait() if self._budget is None else self._budget.wait(wait)

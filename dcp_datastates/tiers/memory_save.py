@@ -81,7 +81,7 @@ class MemorySaver:
                 writer.close()  # a snapshot staged for a save that will not run: given back
             log.error("dcp_datastates: checkpoint of step %d not taken: %s", step, exc)
             return failed_handle(step, exc)
-        handle = SaveHandle(step, staged, committed, copies_issued=writer.snapshot_issued)
+        handle = SaveHandle(step, staged, committed, staging_ordered=writer.staging_ordered)
         handle.figures.blocked_s = time.perf_counter() - start
         handle.figures.bytes = nbytes
         stats, figures = writer.last_stats(), handle.figures
@@ -138,7 +138,8 @@ class MemorySaver:
             writer.close()  # a snapshot that DCP's save did not take is given back
             # a save DCP gave up between two writer calls (its planner failed) ends now, not
             # at the engine's next look: what it holds (its slot) is free before the handle
-            writer.engine.reap_abandoned()
+            if (saves := writer.engine.saves) is not None:
+                saves.reap()
 
     def room(self, reused: int = 0) -> int:
         """Bytes a new memory-tier checkpoint may take now, besides the ``reused`` bytes of

@@ -137,7 +137,8 @@ def _fill_cache_with_ones_then_save(tmp_path: Path, make_writer, mode: str, dire
     engine = writer.engine
     assert engine.live_leases() == 0
     # (the cache has a fixed size: a request larger than it gets all of it)
-    whole = [engine.reserve(1 << 40), engine.bounce.pool.try_allocate(engine.bounce.nbytes)]
+    bounce = engine.arenas.bounce
+    whole = [engine.reserve(1 << 40), bounce.pool.try_allocate(bounce.nbytes)]
     try:
         for lease in whole:
             assert lease is not None and lease.offset == 0

@@ -205,8 +205,8 @@ def test_next_snapshot_is_issued_while_the_previous_one_settles(tmp_path) -> Non
                                     no_dist=True) for i, s in enumerate(states)]
         assert held.wait_handed(2, 60)
         assert not responses[0].staging_completion.done()
-        assert writer.snapshot_issued()
-        engine.order_after_snapshots()  # returns at once: the GPU holds what comes next
+        assert writer.staging_ordered()
+        engine.order_after_staging()  # returns at once: the GPU holds what comes next
         for state in states:
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.is_cuda \

@@ -54,7 +54,7 @@ def test_first_save_on_gpu_waits_only_for_a_device_copy(tmp_path) -> None:
         assert any(not torch.equal(saved[k], v) for k, v in model.state_dict().items())
         slow.gate.set()
         resp.upload_completion.result(TIMEOUT)
-        assert engine.aside_bytes() == 0
+        assert engine.arenas.aside_bytes() == 0
         out = {k: torch.zeros_like(v) for k, v in saved.items()}
         dcp.load(out, checkpoint_id=tmp_path / "ck", no_dist=True,
                  storage_reader=DataStatesReader(engine=engine))
@@ -84,8 +84,8 @@ def test_guard_queues_step_behind_the_copy_aside_on_the_gpu(tmp_path) -> None:
         resp = dcp.async_save(state, checkpoint_id=tmp_path / "ck", no_dist=True,
                               storage_writer=writer)
         opt.step()
-        assert not writer.snapshot_copied(), "the guard waited for the copy aside on the CPU"
-        assert writer.snapshot_issued()  # a budget takes the next save at once
+        assert not writer.staging_done(), "the guard waited for the copy aside on the CPU"
+        assert writer.staging_ordered()  # a budget takes the next save at once
         assert any(not torch.equal(saved[k], v) for k, v in state.items())  # after the copy
         slow.gate.set()
         resp.upload_completion.result(TIMEOUT)
@@ -149,7 +149,7 @@ def test_manager_save_into_a_slot_not_pinned_yet_waits_aside(tmp_path, caplog) -
         with CheckpointManager(tmp_path / "durable", memory_dir=memory, persist=None,
                                engine=engine) as manager:
             handle = manager.save(1, state)
-            manager.wait_for_snapshots()
+            manager.wait_for_staging()
             state["w"].add_(1.0)  # after the copy aside: must not reach the checkpoint
             time.sleep(0.5)
             assert not handle.committed.done() and engine.pinned == 0

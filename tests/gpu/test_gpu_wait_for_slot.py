@@ -67,7 +67,7 @@ def test_manager_save_with_every_slot_held_waits_for_its_slot(
                 stepper.start()
                 _wait_until(lambda: _messages(caplog, WAITS))
                 assert not handles[4].staged.done() and not stepped.is_set()
-                assert engine.aside_bytes() == 0
+                assert engine.arenas.aside_bytes() == 0
             finally:  # a failed assertion must not leave close() waiting for held writes
                 hold.gate.set()
                 if stepper.is_alive():

@@ -171,7 +171,7 @@ class Costly:
 
 
 class SlowGuardEngine(Engine):
-    """An engine whose next ``order_after_snapshots`` (the guard's wait) takes ``next_wait_s``
+    """An engine whose next ``order_after_staging`` (the guard's wait) takes ``next_wait_s``
     of ``clock`` (set by the test after a save is taken: its snapshot holds the next optimizer
     step that long)."""
 
@@ -180,8 +180,8 @@ class SlowGuardEngine(Engine):
         self.clock = clock
         self.next_wait_s = 0.0
 
-    def order_after_snapshots(self) -> None:
-        super().order_after_snapshots()
+    def order_after_staging(self) -> None:
+        super().order_after_staging()
         self.clock.now += self.next_wait_s
         self.next_wait_s = 0.0
 

@@ -1,4 +1,4 @@
-"""CopyFence: when training may change a snapshot's sources. The guard's wait goes to the GPU
+"""StagingFence: when training may change a snapshot's sources. The guard's wait goes to the GPU
 once a snapshot's copies are issued, and stays on the CPU otherwise (no events, events taken
 back, no CUDA); a fence is free once the copier has waited for its copies (``publish(None)``),
 before the save sets it (by success or failure).
@@ -21,7 +21,7 @@ from helpers.fakes import HeldSettles
 from dcp_datastates import DataStatesWriter, Engine
 from dcp_datastates.cuda import cuda_copy
 from dcp_datastates.cuda.cuda_copy import CudaCopier
-from dcp_datastates.jobs.fence import CopyFence
+from dcp_datastates.jobs.fence import StagingFence
 
 pytestmark = MARKS
 MiB = 1 << 20
@@ -39,14 +39,14 @@ class RecordingWaiter:
         self.waited.append(dict(events))
 
 
-def ordered_in_thread(fence: CopyFence, waiter: RecordingWaiter | None) -> threading.Thread:
+def ordered_in_thread(fence: StagingFence, waiter: RecordingWaiter | None) -> threading.Thread:
     thread = threading.Thread(target=fence.order, args=(waiter,), daemon=True)
     thread.start()
     return thread
 
 
 def test_published_events_make_the_streams_wait_and_return_at_once() -> None:
-    fence, waiter = CopyFence(), RecordingWaiter()
+    fence, waiter = StagingFence(), RecordingWaiter()
     fence.publish({0: "event0", 1: "event1"})
     fence.order(waiter)  # returns although the copies are not over
     assert not fence.is_set()
@@ -54,7 +54,7 @@ def test_published_events_make_the_streams_wait_and_return_at_once() -> None:
 
 
 def test_order_waits_until_the_copies_are_issued() -> None:
-    fence, waiter = CopyFence(), RecordingWaiter()
+    fence, waiter = StagingFence(), RecordingWaiter()
     thread = ordered_in_thread(fence, waiter)
     thread.join(0.2)
     assert thread.is_alive() and waiter.waited == []
@@ -65,7 +65,7 @@ def test_order_waits_until_the_copies_are_issued() -> None:
 
 
 def test_without_a_waiter_order_waits_for_the_copies() -> None:
-    fence = CopyFence()
+    fence = StagingFence()
     fence.publish({0: "event0"})
     thread = ordered_in_thread(fence, None)
     thread.join(0.2)
@@ -76,7 +76,7 @@ def test_without_a_waiter_order_waits_for_the_copies() -> None:
 
 
 def test_a_set_fence_passes_at_once() -> None:
-    fence, waiter = CopyFence(), RecordingWaiter()
+    fence, waiter = StagingFence(), RecordingWaiter()
     fence.set()
     fence.order(waiter)
     assert waiter.waited == [] and fence.wait(0)
@@ -85,7 +85,7 @@ def test_a_set_fence_passes_at_once() -> None:
 def test_copies_issued_after_the_fence_is_set_make_no_stream_wait() -> None:
     """A snapshot copied aside sets its fence; its later move (which reads no source)
     publishes events too: the training's streams must not wait for them."""
-    fence, waiter = CopyFence(), RecordingWaiter()
+    fence, waiter = StagingFence(), RecordingWaiter()
     fence.set()
     fence.publish({0: "move0"})
     fence.order(waiter)
@@ -99,24 +99,24 @@ def test_passable_once_issued_and_free_once_the_copier_has_waited() -> None:
     """The copier takes the events back (``publish(None)``) once it has waited for the copies:
     the sources are free from then on, before the save sets its fence (the budget must not
     skip a save as "still copying" while the staged dict is handed out)."""
-    fence, waiter = CopyFence(), RecordingWaiter()
-    assert not fence.passable()
+    fence, waiter = StagingFence(), RecordingWaiter()
+    assert not fence.ordered()
     fence.publish({0: "event0"})
-    assert fence.passable()  # the guard would return at once
+    assert fence.ordered()  # the guard would return at once
     fence.publish(None)
-    assert fence.passable()
+    assert fence.ordered()
     fence.order(waiter)  # returns: nothing is left to wait for, on the GPU or the CPU
     fence.order(None)
     assert waiter.waited == [] and not fence.wait(0)  # set once the snapshot is handed out
     fence.set()
-    assert fence.passable() and fence.wait(0)
+    assert fence.ordered() and fence.wait(0)
 
 
 def test_a_guard_waiting_on_the_cpu_passes_once_the_copies_end() -> None:
     """A guard without a stream waiter waits on the CPU while the copies run, and passes once
     the copier has waited for them (events taken back), before the save sets its fence (by
     success or failure)."""
-    fence = CopyFence()
+    fence = StagingFence()
     fence.publish({0: "event"})
     waiter = threading.Thread(target=fence.order, args=(None,), daemon=True)
     waiter.start()
@@ -132,12 +132,12 @@ def test_a_move_issued_before_the_fence_is_set_makes_no_stream_wait() -> None:
     them back (the sources are free); the arena thread may issue the move into the cache
     (which reads the aside buffers, no source) before the staging thread sets the fence. The
     training's streams must not wait for the move's copies."""
-    fence, waiter = CopyFence(), RecordingWaiter()
+    fence, waiter = StagingFence(), RecordingWaiter()
     fence.publish({0: "aside0"})
     fence.publish(None)  # the copy aside is over: the sources may change
     fence.publish({0: "move0"})  # the move, on the arena thread, before set()
     fence.order(waiter)
-    assert fence.passable() and waiter.waited == []
+    assert fence.ordered() and waiter.waited == []
     fence.set()
     fence.order(waiter)
     fence.publish(None)  # the move's copies over
@@ -162,7 +162,7 @@ def test_events_are_not_taken_back_while_a_guard_makes_a_stream_wait_for_them() 
     """``IssuedCopies.wait`` publishes None, then destroys the events: that publish must wait
     for a guard that is making its streams wait for them (else cudaStreamWaitEvent gets a
     destroyed event)."""
-    fence, destroyed = CopyFence(), threading.Event()
+    fence, destroyed = StagingFence(), threading.Event()
     waiter = SlowWaiter(destroyed)
     fence.publish({0: "event0"})
     guard = threading.Thread(target=fence.order, args=(waiter,), daemon=True)
@@ -178,7 +178,7 @@ def test_events_are_not_taken_back_while_a_guard_makes_a_stream_wait_for_them() 
     copier.join(TIMEOUT)
     assert not guard.is_alive() and not copier.is_alive()
     assert waiter.saw_destroyed == [False]
-    assert fence.passable() and not fence.is_set()
+    assert fence.ordered() and not fence.is_set()
 
 
 # -- GPU: the copier --------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def test_the_copier_takes_the_events_back_only_once_the_copies_are_over() -> Non
     copier = CudaCopier()
     try:
         src, want, dst, ready = _delayed_copy(copier, 64 * MiB)
-        fence, over_at_publish = CopyFence(), []
+        fence, over_at_publish = StagingFence(), []
 
         def issued(events: dict[int, object] | None) -> None:
             if events is None:  # the sources are free from here: the copies must be over
@@ -208,7 +208,7 @@ def test_the_copier_takes_the_events_back_only_once_the_copies_are_over() -> Non
         copies = copier.issue([(0, dst.data_ptr(), src.data_ptr(), src.numel())], "d2h",
                               after=ready, issued=issued)
         copier.destroy_events(ready)
-        assert fence.passable() and not over_at_publish
+        assert fence.ordered() and not over_at_publish
         copies.wait()
         assert over_at_publish == [True]
     finally:
@@ -226,7 +226,7 @@ def test_a_failed_issue_waits_for_what_it_issued_and_leaves_the_fence_closed() -
     try:
         src, want, dst, ready = _delayed_copy(copier, 16 * MiB)
         other = torch.zeros(1, dtype=torch.uint8, pin_memory=True)
-        fence = CopyFence()
+        fence = StagingFence()
         missing = torch.cuda.device_count()
         with pytest.raises(RuntimeError, match="cudaSetDevice"):
             copier.issue([(0, dst.data_ptr(), src.data_ptr(), src.numel()),
@@ -234,7 +234,7 @@ def test_a_failed_issue_waits_for_what_it_issued_and_leaves_the_fence_closed() -
                          after=ready, issued=fence.publish)
         cuda_copy.cudart.cudaGetLastError()  # clear the failed cudaSetDevice's error
         assert torch.equal(dst, want)  # waited for before the raise
-        assert not fence.passable()
+        assert not fence.ordered()
         copier.destroy_events(ready)
     finally:
         torch.cuda.set_device(0)
@@ -257,24 +257,27 @@ class RecordingCopier(CudaCopier):
 
 class EagerMoveEngine(Engine):
     """An engine whose arena thread wins the race against the staging thread: the move of a
-    snapshot copied aside issues its copies before ``move_aside`` returns (before the save
+    snapshot copied aside issues its copies before ``arenas.move_aside`` returns (before the save
     sets its fence). Its copier records the guard's stream waits."""
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)
         self.cuda = RecordingCopier()
+        move_aside = self.arenas.move_aside
 
-    def move_aside(self, aside: object, fn: Callable, *args: object,
-                   when: Callable | None = None, failed: Callable | None = None) -> None:
-        moved = threading.Event()
+        def eager(aside: object, fn: Callable, *args: object, when: Callable | None = None,
+                  failed: Callable | None = None) -> None:
+            moved = threading.Event()
 
-        def move(*margs: object) -> None:
-            try:
-                fn(*margs)
-            finally:
-                moved.set()
-        super().move_aside(aside, move, *args, when=when, failed=failed)
-        assert moved.wait(TIMEOUT), "the move never ran"
+            def move(*margs: object) -> None:
+                try:
+                    fn(*margs)
+                finally:
+                    moved.set()
+            move_aside(aside, move, *args, when=when, failed=failed)
+            assert moved.wait(TIMEOUT), "the move never ran"
+
+        self.arenas.move_aside = eager  # type: ignore[method-assign,assignment]
 
 
 @pytest.mark.gpu
@@ -292,9 +295,9 @@ def test_a_move_from_aside_issued_before_the_fence_is_set_holds_no_training_stre
         want = rand_tensor((8 * MiB,), torch.uint8, seed=3)
         source = want.cuda()
         staged = writer.stage({"w": source})
-        engine.wait_for_snapshots()  # the fence is set: the copy aside is over
+        engine.saves.wait_for_staging()  # the fence is set: the copy aside is over
         assert held.wait_handed(1, TIMEOUT)  # the move's copies are issued, their settle held
-        engine.order_after_snapshots()
+        engine.order_after_staging()
         assert engine.cuda.waited == [], "the guard waits for the move, which reads no source"
         source.zero_()
         held.gate.set()

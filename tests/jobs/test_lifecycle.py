@@ -122,7 +122,7 @@ def test_async_planner_failure_before_reset_frees_the_snapshot(tmp_path: Path,
     assert_state_equal(load_into(clone_state(state), tmp_path / "ck"), state)
     deadline = time.monotonic() + TIMEOUT
     while engine.live_leases() and time.monotonic() < deadline:
-        engine.reap_abandoned()
+        engine.saves.reap()
         time.sleep(0.05)
     assert engine.live_leases() == 0, "the snapshot of the failed save still holds its lease"
 

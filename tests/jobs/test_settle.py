@@ -58,7 +58,7 @@ def test_the_next_snapshot_is_issued_while_the_previous_one_settles(
     # both snapshots' copies are issued while the first one's settle is held
     assert held.wait_handed(2, TIMEOUT)
     assert not any(r.staging_completion.done() for r in responses)
-    assert not writer.snapshot_copied()
+    assert not writer.staging_done()
     closer = _closing(engine, TIMEOUT)
     assert closer.is_alive(), "close() returned with snapshots still settling"
     held.gate.set()
@@ -244,7 +244,7 @@ def test_a_failed_wait_fails_the_save_and_leaks_no_lease_or_event() -> None:
             state = {"w": rand_tensor((2 * MiB,), torch.uint8, seed=seed).cuda()}
             with pytest.raises(RuntimeError, match="fake"):
                 writer.stage(state).result(timeout=TIMEOUT)
-            engine.wait_for_snapshots()
+            engine.saves.wait_for_staging()
         assert engine.cuda.live_events == 0
         assert engine.live_leases() == 0
     finally:

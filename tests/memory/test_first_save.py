@@ -73,13 +73,13 @@ def test_first_save_and_guard_do_not_wait_for_the_cache(tmp_path: Path, make_eng
     state["big"].add_(1)
     state["nested"]["bias"].zero_()
     assert not slow.gate.is_set() and not slow.timed_out
-    assert engine.aside_bytes() > 0 and engine.cache_bytes() == 0
+    assert engine.arenas.aside_bytes() > 0 and engine.cache_bytes() == 0
     assert not resp.upload_completion.done()
     slow.gate.set()
     resp.upload_completion.result(TIMEOUT)
-    assert engine.aside_bytes() == 0 and not slow.timed_out
+    assert engine.arenas.aside_bytes() == 0 and not slow.timed_out
     assert_state_equal(load_into(expected, tmp_path / "ck", engine=engine), expected)
-    assert engine.snapshot_memory(1) is Memory.ARENA  # later saves take the cache at once
+    assert engine.arenas.snapshot_memory(1) is Memory.ARENA  # later saves take the cache at once
 
 
 def test_saves_while_the_cache_is_made_queue_behind_the_first(tmp_path: Path,
@@ -93,13 +93,13 @@ def test_saves_while_the_cache_is_made_queue_behind_the_first(tmp_path: Path,
     at_call = [clone_state(s) for s in states]
     resps = [_async_save(s, tmp_path / f"ck{k}", engine) for k, s in enumerate(states)]
     assert slow.started.wait(TIMEOUT)
-    _wait_until(lambda: engine.aside_bytes() > 0)  # the first snapshot is copied aside
+    _wait_until(lambda: engine.arenas.aside_bytes() > 0)  # the first snapshot is copied aside
     for s in states:
         s["big"].zero_()
     slow.gate.set()
     for resp in resps:
         resp.upload_completion.result(TIMEOUT)
-    assert engine.aside_bytes() == 0
+    assert engine.arenas.aside_bytes() == 0
     for k, want in enumerate(at_call):
         assert_state_equal(load_into(want, tmp_path / f"ck{k}", engine=engine), want)
 
@@ -113,12 +113,12 @@ def test_a_cache_that_cannot_be_made_fails_the_first_save_cleanly(
     engine = make_engine(make_arena=slow, **ENGINE)
     resp = _async_save(_state(seed=6), path, engine, overwrite=True)
     assert slow.started.wait(TIMEOUT)
-    engine.wait_for_snapshots()
-    assert engine.aside_bytes() > 0
+    engine.saves.wait_for_staging()
+    assert engine.arenas.aside_bytes() > 0
     slow.gate.set()
     with raises_in_dcp(CheckpointError, "host cache could not be made"):
         resp.upload_completion.result(TIMEOUT)
-    assert engine.aside_bytes() == 0 and engine.live_leases() == 0
+    assert engine.arenas.aside_bytes() == 0 and engine.live_leases() == 0
     assert_state_equal(load_into(old, path, engine=engine), old)  # the old one is intact
     slow.fail = None  # the next save makes the cache again
     new = _state(seed=7)
@@ -131,7 +131,7 @@ def test_close_while_the_cache_is_being_made(tmp_path: Path) -> None:
     engine = Engine(make_arena=slow, **ENGINE)
     resp = _async_save(_state(), tmp_path / "ck", engine)
     assert slow.started.wait(TIMEOUT)
-    engine.wait_for_snapshots()
+    engine.saves.wait_for_staging()
     closer = threading.Thread(target=engine.close, kwargs={"timeout": 0})
     closer.start()
     with raises_in_dcp(RuntimeError, "engine was closed"):
@@ -140,7 +140,7 @@ def test_close_while_the_cache_is_being_made(tmp_path: Path) -> None:
     slow.gate.set()
     closer.join(TIMEOUT)
     assert not closer.is_alive() and engine.closed
-    assert engine.aside_bytes() == 0 and slow.made and slow.all_freed()
+    assert engine.arenas.aside_bytes() == 0 and slow.made and slow.all_freed()
     assert not (tmp_path / "ck" / ".metadata").exists()
 
 
@@ -165,7 +165,7 @@ def test_no_save_no_cache(fixed: str | None, make_engine) -> None:
     slow = SlowArena()
     engine = make_engine(make_arena=slow, io_backend="threads",
                          **({"host_cache_size": fixed} if fixed else {}))
-    assert engine.snapshot_memory(0) is Memory.ARENA  # an empty state needs no cache
+    assert engine.arenas.snapshot_memory(0) is Memory.ARENA  # an empty state needs no cache
     assert not slow.started.is_set()
 
 
@@ -184,7 +184,7 @@ def test_saves_queued_behind_a_failed_cache_fail_without_trying_again(
     assert slow.tries == 1
     # the arena thread lets a failed move's aside go once the move returns, just after the
     # save's futures fail
-    _wait_until(lambda: engine.aside_bytes() == 0)
+    _wait_until(lambda: engine.arenas.aside_bytes() == 0)
     assert engine.live_leases() == 0
     slow.fail = None
     new = _state(seed=9)

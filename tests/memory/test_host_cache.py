@@ -267,14 +267,14 @@ def test_engine_auto_size_grows_with_the_state(tmp_path: Path, make_engine) -> N
         writer = _async_save(state, tmp_path / f"ckpt{k}", engine)
         assert engine.live_leases() == 0, "a save kept host cache memory after it ended"
         assert writer.last_stats().overflow_bytes == 0  # the whole state fit in the cache
-        snapshot = engine.cache_bytes() - engine.bounce.nbytes
+        snapshot = engine.cache_bytes() - engine.arenas.bounce.nbytes
         assert snapshot >= _tensor_bytes(state)
         sizes.append(snapshot)
         assert_state_equal(load_into(expected, tmp_path / f"ckpt{k}"), expected)
     assert sizes[0] < _tensor_bytes(large) <= sizes[1]  # grown for the larger state
     assert sizes[1] < 2 * _tensor_bytes(large)  # sized from it (the old arena was freed)
     assert sizes[2] == sizes[1]  # a smaller state reuses the cache: no shrinking, no remap
-    assert engine.bounce.nbytes == 128 * MiB
+    assert engine.arenas.bounce.nbytes == 128 * MiB
     engine.close()
     assert engine.cache_bytes() == 0
 
@@ -290,7 +290,7 @@ def test_engine_explicit_size(tmp_path: Path, make_engine, size, bounce: int) ->
         writer = _async_save(state, tmp_path / f"ckpt{k}", engine)
         assert engine.live_leases() == 0
         assert engine.cache_bytes() == total  # fixed: never grows
-        assert engine.bounce.nbytes == bounce
+        assert engine.arenas.bounce.nbytes == bounce
         stats = writer.last_stats()
         assert stats.overflow_bytes > 0  # the rest was staged in pageable memory
         assert stats.staged_bytes + stats.overflow_bytes == _tensor_bytes(state)

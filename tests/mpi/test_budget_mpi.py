@@ -47,7 +47,7 @@ def test_every_rank_takes_the_same_decisions(world: World, nodes: Path, shared: 
             reasons = []
             for step in range(25):
                 clock.now += STEP_S
-                manager.order_after_snapshots()  # what the guard calls
+                manager.order_after_staging()  # what the guard calls
                 state = {"app": Costly(rank_state(world.rank, step), clock, cost_of(world.rank))}
                 handle = manager.save(step, state)
                 decisions.append(handle.skipped)

@@ -184,7 +184,7 @@ def test_a_save_after_the_previous_snapshot_is_issued_on_the_gpu_is_taken(
     history: list = []
     budget = Budget(0.5, clock, Ranks(0, 1, None), history)
     issued = [False]
-    first = SaveHandle(0, Future(), Future(), copies_issued=lambda: issued[0])
+    first = SaveHandle(0, Future(), Future(), staging_ordered=lambda: issued[0])
     assert budget.decide(0, None, None) is None
     budget.taken(first)
     clock.now += 10.0
@@ -209,7 +209,7 @@ def test_a_save_with_no_slot_free_is_skipped(tiers: Tiers, clock: FakeClock, log
             try:
                 for step in range(6):
                     clock.now += STEP_S
-                    manager.order_after_snapshots()  # what the guard calls
+                    manager.order_after_staging()  # what the guard calls
                     handles.append(manager.save(step, make_state(step)))
             finally:  # a failed assertion must not leave close() waiting for held writes
                 hold.gate.set()
@@ -218,7 +218,7 @@ def test_a_save_with_no_slot_free_is_skipped(tiers: Tiers, clock: FakeClock, log
             assert handles[4].reason.startswith("no memory-tier slot free")
             manager.wait()
             clock.now += STEP_S
-            manager.order_after_snapshots()
+            manager.order_after_staging()
             assert not manager.save(6, make_state(6)).skipped
     finally:
         hold.gate.set()

@@ -66,7 +66,7 @@ def six_saves_waiting(tiers: Tiers, engines: Engines
     manager = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
                                 engine=made)
     handles = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
-    manager.wait_for_snapshots()
+    manager.wait_for_staging()
     return made, hold, manager, handles
 
 
@@ -105,7 +105,7 @@ def test_failed_saves_free_the_slots_others_wait_for(tiers: Tiers, engines: Engi
     manager = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
                                 engine=made)
     handles = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
-    manager.wait_for_snapshots()
+    manager.wait_for_staging()
     faulty.gate.set()
     for h in handles:
         with pytest.raises(Exception, match="injected"):
@@ -122,7 +122,7 @@ def test_a_step_saved_again_while_every_slot_is_in_use(tiers: Tiers, engines: En
     with CheckpointManager(memory_dir=tiers.memory, keep_memory=3, persist=None,
                            engine=made) as manager:
         first = [manager.save(s, make_state(s, big=MiB)) for s in range(1, 7)]
-        manager.wait_for_snapshots()
+        manager.wait_for_staging()
         opener = threading.Timer(0.2, hold.gate.set)
         opener.start()
         again = manager.save(6, make_state(20, big=MiB))
@@ -143,7 +143,7 @@ def test_many_waiting_saves_with_a_large_keep_memory(tiers: Tiers, engines: Engi
     with CheckpointManager(memory_dir=tiers.memory, keep_memory=8, persist=None,
                            engine=made) as manager:
         handles = [manager.save(s, make_state(s)) for s in range(30)]
-        manager.wait_for_snapshots()
+        manager.wait_for_staging()
         assert not any(h.committed.done() for h in handles)
         hold.gate.set()
         for h in handles:

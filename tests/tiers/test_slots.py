@@ -70,7 +70,7 @@ def test_a_save_into_a_slot_not_ready_waits_aside(tiers: Tiers, held: HeldPinEng
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
                            persist=None, engine=held) as manager:
         handle = manager.save(1, state)
-        manager.wait_for_snapshots()
+        manager.wait_for_staging()
         for value in state.values():  # after the copy aside: must not reach the checkpoint
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 value.add_(1.0)
@@ -145,7 +145,7 @@ def test_saves_the_budget_skips_make_no_slots(tiers: Tiers, held: HeldPinEngine,
         handles = []
         for step in range(1, 12):
             clock.now += 1.0
-            manager.order_after_snapshots()  # what the guard calls
+            manager.order_after_staging()  # what the guard calls
             handles.append(manager.save(step, {"app": Costly(state, clock, 0.5)}))
         manager.wait()
         manager.prepare(state, wait=True)  # every slot left free is readied
@@ -205,7 +205,7 @@ def test_prepare_and_saves_do_not_wait_for_pinning(tiers: Tiers, held: HeldPinEn
         manager.prepare(states[1])
         assert held.pinning.wait(30), "the pool's thread never started pinning"
         handles = [manager.save(step, state) for step, state in states.items()]
-        manager.wait_for_snapshots()
+        manager.wait_for_staging()
         assert not any(h.committed.done() for h in handles), "committed before any pin"
         assert held.pinned == 0
         held.gate.set()
@@ -341,7 +341,7 @@ def test_a_save_with_every_slot_in_use_waits_aside_for_the_next_one(
                                engine=made) as manager:
             try:
                 handles = [manager.save(s, states[s]) for s in range(1, 7)]
-                manager.wait_for_snapshots()
+                manager.wait_for_staging()
                 states[6]["model"]["w"].add_(1.0)  # after its copy aside
                 states[6]["big"].add_(1)
                 assert not any(h.committed.done() for h in handles)

@@ -80,7 +80,7 @@ def test_a_save_with_every_slot_in_use_waits_for_its_slot_instead_of_aside(
     """Commits held back keep every slot (keep_memory=1: 4 of them): the fifth save returns
     at once, but its snapshot waits on the staging thread, not aside (nothing aside, no host
     cache), until a slot comes free; it is copied straight into it, and sources changed after
-    ``wait_for_snapshots`` do not reach the checkpoint. The saves into slots not pinned yet
+    ``wait_for_staging`` do not reach the checkpoint. The saves into slots not pinned yet
     are copied into them at once (no aside either)."""
     caplog.set_level(logging.INFO, logger="dcp_datastates")
     hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
@@ -93,10 +93,11 @@ def test_a_save_with_every_slot_in_use_waits_for_its_slot_instead_of_aside(
                 handles = [manager.save(s, states[s]) for s in range(1, 6)]
                 _wait_until(lambda: _messages(caplog, WAITS))
                 assert not handles[4].staged.done()
-                assert made.aside_bytes() == 0 and not any(h.committed.done() for h in handles)
+                assert made.arenas.aside_bytes() == 0
+                assert not any(h.committed.done() for h in handles)
             finally:  # a failed assertion must not leave close() waiting for held writes
                 hold.gate.set()
-            manager.wait_for_snapshots()
+            manager.wait_for_staging()
             states[5]["model"]["w"].add_(1.0)
             states[5]["big"].add_(1)
             for handle in handles:
