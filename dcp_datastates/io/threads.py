@@ -13,7 +13,7 @@ from .base import IOReq
 
 __all__ = ["ThreadPoolBackend"]
 
-_Chunk = tuple[int, int, int]  # addr, nbytes, offset: a part of a request (one syscall)
+_Piece = tuple[int, int, int]  # addr, nbytes, offset: a piece of a request (one syscall)
 
 
 def _view(addr: int, nbytes: int) -> memoryview:
@@ -25,7 +25,7 @@ class _EOF(Exception):
     """A read met end of file."""
 
 
-def _do_chunk(write: bool, fd: int, addr: int, nbytes: int, offset: int) -> None:
+def _do_piece(write: bool, fd: int, addr: int, nbytes: int, offset: int) -> None:
     done = 0
     while done < nbytes:
         buf = _view(addr + done, nbytes - done)
@@ -48,15 +48,15 @@ def _do_chunk(write: bool, fd: int, addr: int, nbytes: int, offset: int) -> None
 
 
 class ThreadPoolBackend:
-    """IOBackend over a thread pool. Requests are cut into chunks of at most ``piece`` bytes
-    (one syscall each); small chunks are batched so that each task moves about ``piece`` bytes.
+    """IOBackend over a thread pool. Requests are cut into pieces of at most ``piece`` bytes
+    (one syscall each); small pieces are grouped so that each task moves about ``piece`` bytes.
     Zero-length requests are ignored."""
 
     name = "threads"
 
     def __init__(self, workers: int | None = None, piece: int = 8 << 20) -> None:
         self.workers = workers or min(16, 4 * (os.cpu_count() or 1))
-        self.chunk = piece
+        self.piece = piece
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -72,18 +72,18 @@ class ThreadPoolBackend:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="dcp-io")
             return self._pool
 
-    def _tasks(self, reqs: Sequence[IOReq]) -> list[list[_Chunk]]:
-        tasks: list[list[_Chunk]] = []
-        cur: list[_Chunk] = []
+    def _tasks(self, reqs: Sequence[IOReq]) -> list[list[_Piece]]:
+        tasks: list[list[_Piece]] = []
+        cur: list[_Piece] = []
         size = 0
         for r in reqs:
             if r.nbytes < 0 or r.offset < 0 or r.addr < 0:
                 raise ValueError(f"invalid I/O request {r}")
-            for pos in range(0, r.nbytes, self.chunk):
-                n = min(self.chunk, r.nbytes - pos)
+            for pos in range(0, r.nbytes, self.piece):
+                n = min(self.piece, r.nbytes - pos)
                 cur.append((r.addr + pos, n, r.offset + pos))
                 size += n
-                if size >= self.chunk:
+                if size >= self.piece:
                     tasks.append(cur)
                     cur, size = [], 0
         if cur:
@@ -93,12 +93,12 @@ class ThreadPoolBackend:
     def _rw(self, write: bool, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
         failed = threading.Event()
 
-        def run(task: list[_Chunk]) -> None:
+        def run(task: list[_Piece]) -> None:
             for addr, nbytes, offset in task:
                 if failed.is_set():
                     return
                 try:
-                    _do_chunk(write, fd, addr, nbytes, offset)
+                    _do_piece(write, fd, addr, nbytes, offset)
                 except BaseException:
                     failed.set()
                     raise
