@@ -29,7 +29,7 @@ default engine, one passed in (``engine=``), or, where the config sets ``host_ca
 
 What each ``checkpoint.async_mode`` does then:
 
-* ``"disabled"``: ``dcp.save`` with the writer (blocking, as before; flushed through io_uring).
+* ``"disabled"``: ``dcp.save`` with the writer (blocking, as torchtitan's; flushed by io_uring).
 * ``"async"`` and ``"async_with_pinned_mem"``: ``dcp.async_save`` (thread mode) with the writer
   on the manager's gloo group. ``save()`` returns as soon as the snapshot has started; the
   snapshot copies into the engine's host cache while the next forward and backward run. The
@@ -55,7 +55,7 @@ background to the checkpoint folder as ``step-<N>``, the name torchtitan finds, 
 (``keep_latest_k`` counts them; the manager also applies it as each persist commits).
 ``persist_interval`` picks which: 0 whenever the previous persist has finished, else every
 ``persist_interval / interval``-th save. The last step's save (model-only, HF) is written
-straight to the folder as before, and ``close()`` persists the newest step if the folder lacks
+straight to the folder as usual, and ``close()`` persists the newest step if the folder lacks
 it. ``load()`` of the latest step restores the newest step complete on every rank from the
 fastest tier (memory after a crash or a torchrun restart on the same nodes, else the folder),
 so a restart takes the step in memory even when its persist had not happened; a step in memory

@@ -429,8 +429,8 @@ def test_a_set_up_that_outlasts_the_first_saves_does_not_starve_the_budget(
 def test_skipped_saves_make_no_slots(tiers: Tiers, clock: FakeClock,
                                      engine: SlowGuardEngine) -> None:
     """A save the budget skips gives its slot back and leaves no spare behind: the tier holds
-    the kept steps, the one written last and the spare, as without skips (each skip used to
-    make one slot more, up to the limit: seconds of populating and pinning each)."""
+    the kept steps, the one written last and the spare, as without skips (not one slot more
+    per skip, up to the limit: seconds of populating and pinning each)."""
     with CheckpointManager(memory_dir=tiers.memory, engine=engine, max_overhead=BUDGET,
                            clock=clock, keep_memory=2) as manager:
         manager.prepare(make_state(0), wait=True)
