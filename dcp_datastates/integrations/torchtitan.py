@@ -147,6 +147,7 @@ class DataStates:
     upload: Future | None = None
     last_writer: DataStatesWriter | None = None
     direct: bool = False  # the save in progress bypasses the memory tier (the last step's)
+    prepared: bool = False  # the memory tier's slots are being made for the trainer's state
     _hook: RemovableHandle | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -619,11 +620,18 @@ if TORCHTITAN.manager is not None:
             return tiers
 
         def _tier_save(self, curr_step: int, last_step: bool = False) -> Any:
-            """torchtitan's save; the last step's checkpoint (model-only, export dtype, HF)
-            goes straight to the folder, as torchtitan writes it."""
+            """torchtitan's save (called every step; the first call has the memory tier's
+            slots made for the trainer's state, in the background); the last step's
+            checkpoint (model-only, export dtype, HF) goes straight to the folder, as
+            torchtitan writes it."""
             stock = getattr(TORCHTITAN.manager, TORCHTITAN.save_hook)
             ds: DataStates | None = getattr(self, "datastates", None)
-            if ds is None or ds.tiers is None or not last_step:
+            if ds is None or ds.tiers is None:
+                return stock(self, curr_step, last_step)
+            if not ds.prepared:  # the trainer calls this every step: make the slots from the
+                ds.prepared = True  # first (its optimizer state exists then), not the first save
+                ds.tiers.prepare(self._flattened_model_states_sd())
+            if not last_step:
                 return stock(self, curr_step, last_step)
             ds.direct = True
             try:

@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import mpi_util
 from helpers.mpi_util import World, agree
+from helpers.tiers import slot_files, wait_until
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -568,7 +569,7 @@ def test_memory_tier_under_an_overhead_budget(one_rank: None, tmp_path: Path, sh
     history = list(ds.tiers.history)
     taken = [f.step for f in history if not f.skipped]
     skipped = [f.step for f in history if f.skipped]
-    assert taken and taken[0] == 1, history
+    assert taken and taken[0] <= 2, history  # step 1 may find its slot still being made
     assert skipped, "a save every step of a held snapshot: the budget skips some"
     assert sorted(taken + skipped) == list(range(1, 13))
     manager.close()
@@ -611,3 +612,25 @@ def test_fsdp2_async_manager_multi_rank(world: World, shared: Path, engine: Engi
         errors += differences(again.snapshot(), saved[step], f"step {step}")
     other.close()
     agree(errors, f"torchtitan manager on {world.size} ranks")
+
+
+@pytest.mark.mpi_skip
+def test_memory_tier_slots_are_made_from_the_first_step(one_rank: None, tmp_path: Path,
+                                                        shm: Path, engine: Engine) -> None:
+    """The trainer calls ``save`` every step: the first call, not a checkpoint step, has the
+    memory tier's slots made for the trainer's state (sized for its model and optimizer
+    state), so the first checkpoint finds one ready."""
+    run = Run(seed=0)
+    manager = tiered(run, tmp_path, shm, engine, "async", interval=4)
+    tiers = manager.datastates.tiers
+    assert tiers is not None and slot_files(tiers.memory) == {}
+    run.step(1, manager)
+    manager.save(1)  # not a checkpoint step
+    wait_until(lambda: bool(slot_files(tiers.memory)), "a slot made after the first step")
+    assert tier_entries(tiers.memory) == []
+    for step in range(2, 5):
+        run.step(step, manager)
+        manager.save(step)
+    tiers.wait()
+    assert tier_entries(tiers.memory) == ["step_4"]
+    manager.close()
