@@ -28,6 +28,16 @@ def io_backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def engine() -> Iterator[Engine]:
+    """A small engine on the thread backend, closed after the test."""
+    made = Engine(io_backend="threads", host_cache_size="8MiB", io_workers=2)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
 def make_engine() -> Iterator[Callable[..., Engine]]:
     """Build engines and close them all at teardown (asserting none still holds memory)."""
     engines: list[Engine] = []

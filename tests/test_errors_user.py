@@ -9,7 +9,6 @@ import inspect
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,9 @@ from helpers import (
     clone_state,
     load_into,
     raises_in_dcp,
-    rand_tensor,
     save,
+    small_checkpoint,
+    small_state,
 )
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -227,36 +227,12 @@ def test_a_url_is_refused_not_written_as_a_local_directory(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.fixture
-def engine() -> Iterator[Engine]:
-    made = Engine(io_backend="threads", host_cache_size="8MiB", io_workers=2)
-    try:
-        yield made
-    finally:
-        made.close()
-
-
 @pytest.mark.parametrize("cls", [DataStatesWriter, DataStatesReader, CheckpointManager])
 def test_an_engine_passed_positionally_says_engine_equals(cls: type, engine: Engine) -> None:
     """``DataStatesWriter(engine)``: the engine went where the path goes; the error says to
     pass it as ``engine=`` (not "expected str, bytes or os.PathLike object")."""
     with pytest.raises(TypeError, match=r"engine=engine"):
         cls(engine)
-
-
-def _state(seed: int = 0) -> dict:
-    return {
-        "w": rand_tensor((300, 257), torch.float32, seed=seed),
-        "b": rand_tensor((257,), torch.bfloat16, seed=seed + 1),
-        "cfg": {"lr": 0.1 * (seed + 1), "name": f"run{seed}"},
-    }
-
-
-def _checkpoint(tmp_path: Path, make_writer, seed: int = 0) -> tuple[Path, dict]:
-    directory = tmp_path / "ckpt"
-    state = _state(seed)
-    save(state, directory, make_writer())
-    return directory, clone_state(state)
 
 
 # -- bad arguments -------------------------------------------------------------------------------
@@ -297,7 +273,7 @@ def test_engine_rejects_bad_arguments_at_construction(kwargs: dict, message: str
 
 
 def test_reader_rejects_unknown_io_backend(tmp_path: Path, make_writer) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     message = r"unknown I/O backend 'bogus'; valid names: auto, uring, threads"
     with pytest.raises((ValueError, CheckpointException), match=message):  # made, or used
         load_into(old, directory, io_backend="bogus")
@@ -328,7 +304,7 @@ def test_direct_io_on_tmpfs_is_refused_when_the_path_comes_with_the_save(make_wr
     try:
         path = directory / "ckpt"
         with raises_in_dcp(ValueError, rf"{re.escape(str(directory))}.*tmpfs"):
-            save(_state(), path, make_writer(direct_io=True))
+            save(small_state(), path, make_writer(direct_io=True))
         assert not (path / ".metadata").exists()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -339,7 +315,7 @@ def test_engine_close_frees_its_memory_and_refuses_further_use(
     tmp_path: Path, make_engine
 ) -> None:
     engine = make_engine(host_cache_size="1MiB", io_backend="threads")
-    state = _state()
+    state = small_state()
     expected = clone_state(state)
     dcp.async_save(state, checkpoint_id=tmp_path / "a",
                    storage_writer=DataStatesWriter(engine=engine),
@@ -364,7 +340,7 @@ def test_engine_close_frees_its_memory_and_refuses_further_use(
 
 
 def test_load_on_a_closed_engine_says_so(tmp_path: Path, make_writer, make_engine) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     engine = make_engine(io_backend="threads")
     engine.close()
     with raises_in_dcp(RuntimeError, r"Engine is closed"):

@@ -23,8 +23,9 @@ from helpers import (
     data_files,
     load_into,
     raises_in_dcp,
-    rand_tensor,
     save,
+    small_checkpoint,
+    small_state,
 )
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -43,35 +44,20 @@ MiB = 1 << 20
 pytestmark = MARKS
 
 
-def _state(seed: int = 0) -> dict:
-    return {
-        "w": rand_tensor((300, 257), torch.float32, seed=seed),
-        "b": rand_tensor((257,), torch.bfloat16, seed=seed + 1),
-        "cfg": {"lr": 0.1 * (seed + 1), "name": f"run{seed}"},
-    }
-
-
-def _checkpoint(tmp_path: Path, make_writer, seed: int = 0) -> tuple[Path, dict]:
-    directory = tmp_path / "ckpt"
-    state = _state(seed)
-    save(state, directory, make_writer())
-    return directory, clone_state(state)
-
-
 def _locations(directory: Path) -> dict:
     return {idx.fqn: loc for idx, loc in read_metadata(directory).storage_data.items()}
 
 
 # -- saving over an existing checkpoint ----------------------------------------------------------
 def test_save_into_existing_checkpoint_needs_overwrite(tmp_path: Path, make_writer) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
     with raises_in_dcp(
         RuntimeError,
         rf"Checkpoint already exists and overwrite=False: {re.escape(str(directory))} .*"
         r"overwrite=True",
     ):
-        save(_state(seed=5), directory, make_writer())
+        save(small_state(seed=5), directory, make_writer())
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
     assert_state_equal(load_into(old, directory), old)
 
@@ -79,9 +65,9 @@ def test_save_into_existing_checkpoint_needs_overwrite(tmp_path: Path, make_writ
 def test_overwrite_replaces_checkpoint_and_removes_old_files(
     tmp_path: Path, make_writer, io_backend: str
 ) -> None:
-    directory, _ = _checkpoint(tmp_path, make_writer)
+    directory, _ = small_checkpoint(tmp_path, make_writer)
     (old_file,) = data_files(directory)
-    new = _state(seed=7)
+    new = small_state(seed=7)
     expected = clone_state(new)
     save(new, directory, make_writer(overwrite=True, io_backend=io_backend))
     (new_file,) = data_files(directory)
@@ -100,7 +86,7 @@ def test_overwrite_of_a_filesystem_writer_checkpoint_removes_its_files(
     that a killed save left: gone once the new ``.metadata`` is committed, not before (a save
     that fails leaves the previous checkpoint whole: DCP's reader still loads it)."""
     directory = tmp_path / "ckpt"
-    theirs = _state(seed=3)
+    theirs = small_state(seed=3)
     expected_theirs = clone_state(theirs)
     dcp.save(theirs, storage_writer=FileSystemWriter(directory), no_dist=True)
     distcp = sorted(p.name for p in directory.glob("*.distcp"))
@@ -109,13 +95,13 @@ def test_overwrite_of_a_filesystem_writer_checkpoint_removes_its_files(
 
     engine, _ = faulty_engine(fail_write_after=0)
     with pytest.raises((CheckpointException, OSError)):
-        save(_state(seed=8), directory, make_writer(overwrite=True, engine=engine))
+        save(small_state(seed=8), directory, make_writer(overwrite=True, engine=engine))
     assert sorted(p.name for p in directory.glob("*.distcp")) == distcp
     loaded = blank_like(expected_theirs)
     dcp.load(loaded, storage_reader=FileSystemReader(directory), no_dist=True)
     assert_state_equal(loaded, expected_theirs)
 
-    new = _state(seed=9)
+    new = small_state(seed=9)
     expected = clone_state(new)
     save(new, directory, make_writer(overwrite=True))
     (data,) = data_files(directory)
@@ -137,7 +123,7 @@ def test_load_without_metadata(tmp_path: Path, exists: bool) -> None:
 
 
 def test_garbage_metadata(tmp_path: Path, make_writer) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     (directory / ".metadata").write_bytes(b"\x80\x05 this is not a pickle" * 10)
     with raises_in_dcp(
         BaseException, rf"{re.escape(str(directory / '.metadata'))}: .*checkpoint metadata"
@@ -157,7 +143,7 @@ def test_default_reader_on_our_checkpoint_points_at_datastates_reader(
 ) -> None:
     """DCP's FileSystemReader unpickles .metadata with plain pickle: ours refuses it, naming
     the reader to use, while DataStatesReader reads it."""
-    directory, expected = _checkpoint(tmp_path, make_writer)
+    directory, expected = small_checkpoint(tmp_path, make_writer)
     hint = "storage_reader=dcp_datastates.DataStatesReader()"
     with (directory / ".metadata").open("rb") as f, pytest.raises(CheckpointError) as plain:
         pickle.load(f)
@@ -171,7 +157,7 @@ def test_default_reader_on_our_checkpoint_points_at_datastates_reader(
 @pytest.mark.parametrize("container", ["pickle", "torch.save"])
 def test_older_metadata_formats_still_load(tmp_path: Path, make_writer, container: str) -> None:
     """.metadata as written before: a plain pickle of DCP's Metadata, or torch.save (0.1.0)."""
-    directory, expected = _checkpoint(tmp_path, make_writer)
+    directory, expected = small_checkpoint(tmp_path, make_writer)
     metadata = read_metadata(directory)
     if container == "pickle":
         data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
@@ -188,7 +174,7 @@ def test_older_metadata_formats_still_load(tmp_path: Path, make_writer, containe
 def test_metadata_that_is_not_a_regular_file(tmp_path: Path, make_writer, kind: str) -> None:
     """Refused at once (a FIFO is not waited on), and a link is not followed even to a good
     copy of the checkpoint's own .metadata."""
-    directory, expected = _checkpoint(tmp_path, make_writer)
+    directory, expected = small_checkpoint(tmp_path, make_writer)
     md = directory / ".metadata"
     md.rename(tmp_path / "elsewhere")
     if kind == "fifo":
@@ -210,7 +196,7 @@ def test_metadata_that_is_not_a_regular_file(tmp_path: Path, make_writer, kind: 
 
 
 def test_metadata_pointing_outside_the_directory(tmp_path: Path, make_writer) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     metadata = read_metadata(directory)
     index = next(i for i in metadata.storage_data if i.fqn == "w")
     metadata.storage_data[index] = dataclasses.replace(
@@ -222,7 +208,7 @@ def test_metadata_pointing_outside_the_directory(tmp_path: Path, make_writer) ->
 
 
 def test_missing_data_file(tmp_path: Path, make_writer, io_backend: str) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     (file,) = data_files(directory)
     file.unlink()
     with raises_in_dcp(
@@ -233,7 +219,7 @@ def test_missing_data_file(tmp_path: Path, make_writer, io_backend: str) -> None
 
 
 def test_truncated_data_file(tmp_path: Path, make_writer, io_backend: str) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     (file,) = data_files(directory)
     locations = _locations(directory)
     fqn, last = max(locations.items(), key=lambda kv: kv[1].offset + kv[1].length)
@@ -259,7 +245,7 @@ def _flip(file: Path, offset: int) -> None:
 
 @pytest.mark.parametrize("fqn", ["w", "b", "cfg.name"])
 def test_flipped_byte_is_detected(tmp_path: Path, make_writer, io_backend: str, fqn: str) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     (file,) = data_files(directory)
     loc = _locations(directory)[fqn]
     _flip(file, loc.offset + loc.length // 2)
@@ -272,7 +258,7 @@ def test_flipped_byte_is_detected(tmp_path: Path, make_writer, io_backend: str, 
 
 
 def test_flipped_byte_loads_without_verification(tmp_path: Path, make_writer) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     (file,) = data_files(directory)
     loc = _locations(directory)["w"]
     _flip(file, loc.offset + 1000)
@@ -288,7 +274,7 @@ def test_symlink_at_a_data_file_name_is_refused(
 ) -> None:
     """Data files are opened with O_NOFOLLOW: a link planted under a data file's name is not
     followed, even to a file with the very bytes that were saved."""
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     (file,) = data_files(directory)
     elsewhere = tmp_path / "elsewhere.safetensors"
     file.rename(elsewhere)
@@ -307,7 +293,7 @@ def test_symlink_at_a_data_file_name_is_refused(
 
 # -- what a save stamps in .metadata -------------------------------------------------------------
 def test_metadata_version_is_stamped(tmp_path: Path, make_writer) -> None:
-    directory, old = _checkpoint(tmp_path, make_writer)
+    directory, old = small_checkpoint(tmp_path, make_writer)
     metadata = read_metadata(directory)
     assert metadata.version == CURRENT_DCP_VERSION
     assert CURRENT_DCP_VERSION == "1.0.0"

@@ -10,7 +10,9 @@ import re
 import select
 import signal
 import subprocess
+import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +177,36 @@ def load_into(template: dict, path: Path, **reader_kw: object) -> dict:
         if engine is not None:
             engine.close()
     return out
+
+
+def small_state(seed: int = 0) -> dict:
+    """A small state: two tensors of two dtypes and a nested dict of plain values."""
+    return {
+        "w": rand_tensor((300, 257), torch.float32, seed=seed),
+        "b": rand_tensor((257,), torch.bfloat16, seed=seed + 1),
+        "cfg": {"lr": 0.1 * (seed + 1), "name": f"run{seed}"},
+    }
+
+
+def small_checkpoint(tmp_path: Path, make_writer, seed: int = 0) -> tuple[Path, dict]:
+    """:func:`small_state` saved into ``tmp_path / "ckpt"``; the directory and a copy of the
+    state."""
+    directory = tmp_path / "ckpt"
+    state = small_state(seed)
+    save(state, directory, make_writer())
+    return directory, clone_state(state)
+
+
+def square_state() -> dict:
+    """A square float matrix (one a planner can transpose) and an int16 vector."""
+    return {"m": rand_tensor((64, 64), torch.float32, seed=5),
+            "v": rand_tensor((100,), torch.int16, seed=6)}
+
+
+def run_script(script: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter (a SIGBUS there fails the test, not the suite)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=Path.cwd(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def data_files(directory: Path) -> list[Path]:

@@ -30,6 +30,8 @@ from helpers import (
     raises_in_dcp,
     rand_tensor,
     save,
+    small_checkpoint,
+    small_state,
 )
 from helpers.fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
@@ -474,32 +476,19 @@ def test_two_processes_race_into_one_directory(tmp_path: Path) -> None:
 
 
 # -- a failed save and the turns of the others ------------------------------------------------
-def _state(seed: int = 0) -> dict:
-    return {
-        "w": rand_tensor((300, 257), torch.float32, seed=seed),
-        "b": rand_tensor((257,), torch.bfloat16, seed=seed + 1),
-        "cfg": {"lr": 0.1 * (seed + 1), "name": f"run{seed}"},
-    }
-
-
-def _checkpoint(tmp_path: Path, make_writer, seed: int = 0) -> tuple[Path, dict]:
-    directory = tmp_path / "ckpt"
-    state = _state(seed)
-    save(state, directory, make_writer())
-    return directory, clone_state(state)
 
 
 def test_failed_save_on_one_thread_does_not_block_saves_on_another(
     tmp_path: Path, make_writer
 ) -> None:
-    directory, _ = _checkpoint(tmp_path, make_writer)
+    directory, _ = small_checkpoint(tmp_path, make_writer)
     writer = make_writer()
     saver = ThreadPoolExecutor(1, thread_name_prefix="long-lived-saver")
     other = ThreadPoolExecutor(1, thread_name_prefix="other-saver")
-    state = _state(seed=9)
+    state = small_state(seed=9)
     expected = clone_state(state)
     try:
-        failed = saver.submit(save, _state(seed=8), directory, writer)  # no overwrite=True
+        failed = saver.submit(save, small_state(seed=8), directory, writer)  # no overwrite=True
         with pytest.raises(CheckpointException, match="Checkpoint already exists"):
             failed.result(timeout=60)
         second = other.submit(save, state, tmp_path / "fresh", writer)

@@ -4,9 +4,6 @@ save's checksums do not queue behind."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -15,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
+from helpers import (
+    MARKS,
+    assert_state_equal,
+    clone_state,
+    load_into,
+    rand_tensor,
+    run_script,
+    square_state,
+)
 
 from dcp_datastates import DataStatesWriter, Engine, cli
 from dcp_datastates.jobs.copy import copy_checkpoint
@@ -25,23 +30,12 @@ TIMEOUT = 60
 pytestmark = MARKS
 
 
-def _square_state() -> dict:
-    return {"m": rand_tensor((64, 64), torch.float32, seed=5),
-            "v": rand_tensor((100,), torch.int16, seed=6)}
-
-
-def _run(script: str) -> subprocess.CompletedProcess:
-    """``script`` in a fresh interpreter (a SIGBUS there fails the test, not the suite)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=Path.cwd(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
-
-
 @pytest.mark.xfail(strict=True, reason="the persist reads its source through a mapping: a "
                    "file truncated meanwhile kills the process with SIGBUS (not fixed)")
 def test_the_persist_of_a_file_truncated_meanwhile_fails_naming_it(tmp_path: Path) -> None:
     """A memory-tier file cut short (by anything outside the manager) while it is persisted:
     the copy fails with an error naming the file; the process lives on."""
-    done = _run(f"""
+    done = run_script(f"""
         from pathlib import Path
         import os, torch
         import torch.distributed.checkpoint as dcp
@@ -94,7 +88,7 @@ def test_a_save_commits_while_a_persists_checks_are_held(tmp_path: Path) -> None
     engine = HeldChecksEngine(host_cache_size="8MiB", io_backend="threads", io_workers=1)
     copying = None
     try:
-        first = _square_state()
+        first = square_state()
         dcp.save(first, checkpoint_id=tmp_path / "src", no_dist=True,
                  storage_writer=DataStatesWriter(engine=engine))
         copying = threading.Thread(target=copy_checkpoint,

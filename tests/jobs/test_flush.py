@@ -6,9 +6,6 @@ wait for a snapshot's checksums."""
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
-import textwrap
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -17,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
+from helpers import (
+    MARKS,
+    assert_state_equal,
+    clone_state,
+    load_into,
+    rand_tensor,
+    square_state,
+)
 from helpers.fakes import FileTarget
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
@@ -60,11 +64,6 @@ class TransposingPlanner(DefaultSavePlanner):
         return data.t() if write_item.index.fqn == self.fqn else data
 
 
-def _square_state() -> dict:
-    return {"m": rand_tensor((64, 64), torch.float32, seed=5),
-            "v": rand_tensor((100,), torch.int16, seed=6)}
-
-
 @pytest.mark.parametrize("in_target", [False, True], ids=["host_cache", "in_place"])
 def test_a_plan_resolved_to_a_transposed_view_of_a_copy_saves_the_view(
         tmp_path: Path, make_engine, in_target: bool) -> None:
@@ -73,7 +72,7 @@ def test_a_plan_resolved_to_a_transposed_view_of_a_copy_saves_the_view(
     name (in place: wrong values loaded), nor the view's under the copy's checksums (a load
     that reports corruption)."""
     engine = make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=2)
-    state = _square_state()
+    state = square_state()
     target = FileTarget(engine, tmp_path / "slot", 1 << 20) if in_target else None
     try:
         writer = DataStatesWriter(engine=engine, snapshot_into=target)
@@ -86,12 +85,6 @@ def test_a_plan_resolved_to_a_transposed_view_of_a_copy_saves_the_view(
     expected = {"m": state["m"].t().contiguous(), "v": state["v"].clone()}
     assert cli.main(["verify", "-q", str(tmp_path / "ckpt")]) == 0
     assert_state_equal(load_into(clone_state(expected), tmp_path / "ckpt"), expected)
-
-
-def _run(script: str) -> subprocess.CompletedProcess:
-    """``script`` in a fresh interpreter (a SIGBUS there fails the test, not the suite)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=Path.cwd(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def test_a_snapshot_with_empty_tensors_partly_in_pageable_memory_saves_and_verifies(
@@ -116,7 +109,7 @@ def test_a_staged_tensor_changed_in_place_before_its_save_still_verifies(
         tmp_path: Path, make_engine) -> None:
     engine = make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=2)
     writer = DataStatesWriter(engine=engine)
-    staged = writer.stage(_square_state()).result(timeout=TIMEOUT)
+    staged = writer.stage(square_state()).result(timeout=TIMEOUT)
     staged["m"].add_(1)  # e.g. a planner or a hook that scales a tensor in place
     expected = clone_state(staged)
     dcp.save(staged, checkpoint_id=tmp_path, storage_writer=writer, no_dist=True)
@@ -133,7 +126,7 @@ def test_a_process_hand_off_does_not_wait_for_the_snapshots_checksums() -> None:
         staged = threading.Event()
 
         def save() -> None:  # the thread that took the snapshot pickles the writer
-            writer.stage(_square_state()).result(timeout=TIMEOUT)
+            writer.stage(square_state()).result(timeout=TIMEOUT)
             staged.set()
             pickle.dumps(writer)
         pickling = threading.Thread(target=save)

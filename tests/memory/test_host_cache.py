@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -16,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing
-from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tensor
+from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tensor, run_script
 
 from dcp_datastates import DataStatesWriter, parse_size
 from dcp_datastates.format.align import ALIGN
@@ -26,7 +23,6 @@ from dcp_datastates.sizes import format_size
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 4096
-TIMEOUT = 60
 
 pytestmark = MARKS
 
@@ -343,10 +339,6 @@ def test_direct_io_save_under_file_system_sharing_strategy(
 
 
 # -- an arena over a file ----------------------------------------------------------------------
-def _run(script: str) -> subprocess.CompletedProcess:
-    """``script`` in a fresh interpreter (a SIGBUS there fails the test, not the suite)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=Path.cwd(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def test_an_arena_over_a_file_shorter_than_it_is_refused_naming_the_file(
@@ -355,7 +347,7 @@ def test_an_arena_over_a_file_shorter_than_it_is_refused_naming_the_file(
     kill the process): the arena refuses such a file when it is made."""
     path = tmp_path / "short"
     path.write_bytes(b"x" * ALIGN)
-    done = _run(f"""
+    done = run_script(f"""
         import os
         from dcp_datastates.memory.host_cache import Arena
         fd = os.open({str(path)!r}, os.O_RDWR)

@@ -405,15 +405,6 @@ class HelperHeldEngine(Engine):
         super().pin_file(arena)
 
 
-@pytest.fixture
-def engine() -> Iterator[Engine]:
-    made = Engine(io_backend="threads", host_cache_size="8MiB", io_workers=2)
-    try:
-        yield made
-    finally:
-        made.close()
-
-
 def _fds_under(directory: Path) -> list[str]:
     """Descriptors of this process open on files under ``directory`` (deleted ones too)."""
     out = []
