@@ -4,17 +4,18 @@ Each run is ``examples/torchtitan_train.py`` in a subprocess (``--nproc`` > 1: u
 same seed and data: ``none`` (no checkpoints), then ``stock`` (torchtitan's CheckpointManager,
 ``async_with_pinned_mem``), ``enable`` (``enable_datastates(trainer.checkpointer)``) and
 ``tiers`` (``DataStatesCheckpointManager`` with ``memory_tier=True``), each with a checkpoint
-every ``--interval`` steps (``--steps`` steps) and every step (``--every-step-steps`` steps;
-the memory tier then with ``max_overhead=--every-step-budget``, its overhead budget, which
-skips the saves it cannot pay for). A step's time runs from one step's loss line to the next
-(its compute and the previous step's save); the first step (warm-up, compilation) is left out,
-and so is the last step's save (synchronous, model and optimizer, in every mode). The resume
-check of ``examples/torchtitan_resume.py`` for each of ``--resume-modes`` (SIGKILL mid-run,
-restart with the same command line, losses compared step for step with the interval run of
-that mode; ``--drop-rank-tier R``: rank R's memory tier is removed before the memory tier's
-restart) runs before the every-step runs. No run starts past ``--budget-s``. Every run's folder
-is removed once its figures are in; the JSON is written after every run, so a run cut short
-keeps what it had. Works with torchtitan 0.2.x and 0.3.x (whichever is installed).
+every ``--interval`` steps (``--steps`` steps; ``--interval-modes`` picks some) and every step
+(``--every-step-steps`` steps; the memory tier then with ``max_overhead=--every-step-budget``,
+its overhead budget, which skips the saves it cannot pay for). A step's time runs from one
+step's loss line to the next (its compute and the previous step's save); the first step
+(warm-up, compilation) is left out, and so is the last step's save (synchronous, model and
+optimizer, in every mode). The resume check of ``examples/torchtitan_resume.py`` for each of
+``--resume-modes`` (SIGKILL mid-run, restart with the same command line, losses compared step
+for step with the interval run of that mode; ``--drop-rank-tier R``: rank R's memory tier is
+removed before the memory tier's restart) runs before the every-step runs. No run starts past
+``--budget-s``. Every run's folder is removed once its figures are in; the JSON is written after
+every run, so a run cut short keeps what it had. Works with torchtitan 0.2.x and 0.3.x
+(whichever is installed).
 
     python benchmarks/bench_torchtitan.py --flavor debugmodel --steps 30 --every-step-steps 10 \\
         --dir /tmp/bench_titan
@@ -53,6 +54,10 @@ def arguments() -> object:
     ap.add_argument("--attention", default="flex", choices=("flex", "sdpa", "varlen"))
     ap.add_argument("--steps", type=int, default=30, help="steps of the none and interval runs")
     ap.add_argument("--interval", type=int, default=10)
+    ap.add_argument("--interval-modes", default="",
+                    help="comma-separated labels (stock, stock-async, enable, tiers) of the "
+                    "runs every --interval steps besides none ('': every one compared; "
+                    "'none': the baseline only)")
     ap.add_argument("--every-step-steps", type=int, default=5,
                     help="steps of the every-step runs (0: none of them)")
     ap.add_argument("--every-step-modes", default="",
@@ -107,9 +112,10 @@ def plan(args: object) -> tuple[list[tuple[str, Spec]], list[tuple[str, Spec]]]:
     base = {"flavor": args.flavor, "attention": args.attention, "nproc": args.nproc}
     interval = [("none", Spec("none", steps=args.steps, interval=args.interval,
                               extra=args.titan, **base))]
+    picked = {m for m in args.interval_modes.split(",") if m}
     interval += [(f"{label}/{args.interval}", Spec(mode, steps=args.steps,
                                                    interval=args.interval, extra=extra, **base))
-                 for label, mode, extra in compared(args)]
+                 for label, mode, extra in compared(args) if not picked or label in picked]
     every = []
     chosen = {m for m in args.every_step_modes.split(",") if m}
     for label, mode, extra in compared(args) if args.every_step_steps else []:
