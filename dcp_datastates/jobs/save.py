@@ -425,22 +425,28 @@ def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
     the snapshot's GPU sources on the GPU (the job copies it aside). Else (one would go to
     pageable memory, slow) wait for the target, and True once it can be leased (or its pool
     closed: the lease then falls back to the host cache): the training's guard waits about
-    one commit with it rather than for that copy. Raises once the job has ended meanwhile."""
+    one commit with it rather than for that copy. The wait ends early, with False, once the
+    GPU has room again (an earlier snapshot aside has moved into its slot). Raises once the job
+    has ended meanwhile."""
     if job.engine.aside_fits_on_gpu(sources):
         return False
     ready, start = threading.Event(), time.perf_counter()
     assert job.target is not None  # asked only for a target that is not ready
     job.target.when_ready(ready.set)
-    if not ready.is_set():
-        log.info("dcp_datastates: save %d: %s is not ready yet and the GPU has no room to "
-                 "keep the snapshot aside; the snapshot waits for it (the engine's saves staged "
-                 "after it wait too)", job.ticket, job.target)
-        while not ready.wait(POLL_S):
-            if job.ended:
-                raise CheckpointError(f"save {job.ticket} ended while it waited for "
-                                      f"{job.target}")
-        log.info("dcp_datastates: save %d waited %.3f s for %s", job.ticket,
-                 time.perf_counter() - start, job.target)
+    if ready.is_set():
+        return True
+    log.info("dcp_datastates: save %d: %s is not ready yet and the GPU has no room to keep "
+             "the snapshot aside; the snapshot waits for it or for room (the engine's saves "
+             "staged after it wait too)", job.ticket, job.target)
+    while not ready.wait(POLL_S):
+        if job.ended:
+            raise CheckpointError(f"save {job.ticket} ended while it waited for {job.target}")
+        if job.engine.aside_fits_on_gpu(sources):
+            log.info("dcp_datastates: save %d: the GPU has room again after %.3f s",
+                     job.ticket, time.perf_counter() - start)
+            return False
+    log.info("dcp_datastates: save %d waited %.3f s for %s", job.ticket,
+             time.perf_counter() - start, job.target)
     return True
 
 

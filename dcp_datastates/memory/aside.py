@@ -29,8 +29,19 @@ GPU_HEADROOM = 0.1
 _ALIGN = 256
 #: Where host copies go (a place is a device index, or this for pageable host memory).
 HOST = -1
-#: A device's (free, total) bytes, as ``torch.cuda.mem_get_info`` gives them.
+#: A device's (free, total) bytes, as :func:`room_on` gives them.
 MemInfo = Callable[[int], tuple[int, int]]
+
+
+def room_on(device: int) -> tuple[int, int]:
+    """(free, total) bytes of ``device`` for a buffer aside: what the driver has free, and what
+    torch's caching allocator holds in segments no tensor uses (an earlier snapshot's buffer
+    aside goes back there; torch reuses or releases such segments for a new buffer)."""
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    idle = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+            - stats.get("inactive_split_bytes.all.current", 0))
+    return free + max(0, idle), total
 
 
 @dataclass
@@ -62,7 +73,7 @@ def stash(sources: list[torch.Tensor], cuda: CudaCopier | None,
     A GPU buffer is made where ``gpu_headroom`` of the device's memory stays free after it.
     ``issued``: as in :meth:`CudaCopier.copy`, for the copies on the GPU (made last: the
     copies into pageable memory are over by then)."""
-    places = _places(sources, cuda, gpu_headroom, torch.cuda.mem_get_info)
+    places = _places(sources, cuda, gpu_headroom, room_on)
     offsets, sizes = _pack(sources, places)
     buffers = {p: torch.empty(n, dtype=torch.uint8,
                               device="cpu" if p == HOST else torch.device("cuda", p))
@@ -95,8 +106,8 @@ def fits_on_gpu(sources: list[torch.Tensor], cuda: CudaCopier | None,
                 headroom: float = GPU_HEADROOM, mem_info: MemInfo | None = None) -> bool:
     """Whether :func:`stash` would keep every GPU source of ``sources`` on its device (none
     in pageable host memory; CPU sources do not count). ``mem_info``: a device's free and
-    total bytes (``torch.cuda.mem_get_info`` by default)."""
-    places = _places(sources, cuda, headroom, mem_info or torch.cuda.mem_get_info)
+    total bytes (:func:`room_on` by default)."""
+    places = _places(sources, cuda, headroom, mem_info or room_on)
     return all(p != HOST for src, p in zip(sources, places, strict=True) if src.is_cuda)
 
 

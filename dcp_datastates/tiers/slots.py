@@ -24,7 +24,7 @@ A save taken while no free slot is ready (every slot in use, the next one still 
 and pinned, or saves waiting for one) gets the next one to come free (:class:`NextSlot`), in
 save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
 queued once the slot is given (where the GPU has no room to keep it aside, the save's staging
-thread waits for the slot instead). No copy goes into a slot not pinned yet: a copy into
+thread waits for the slot instead, or for room: an earlier snapshot aside moving out). No copy goes into a slot not pinned yet: a copy into
 pageable memory holds the CUDA driver, and the training's next CUDA call waits for all of it (so
 does it, less, while two slots are made at once); once pinning has failed, saves take unpinned
 slots, and once the tier had no room for a slot the pool's thread sized (its pages go back to
@@ -311,9 +311,15 @@ class SlotPool:
         return waiting
 
     def when_given(self, waiting: NextSlot, queue: Callable[[], None]) -> None:
-        """Call ``queue`` once ``waiting`` has its slot (now if it has), or the pool closed."""
+        """Call ``queue`` once ``waiting`` has its slot (now if it has), or the pool closed.
+        A second call (a save that waited for its slot, then went aside once the GPU had room)
+        replaces the first's ``queue``, or calls it now where the first was served already."""
         with self._lock:
             waiting.queue = queue
+            served = waiting not in self._waiting
+        if served:
+            queue()
+            return
         self._serve()
 
     def _serve(self) -> None:

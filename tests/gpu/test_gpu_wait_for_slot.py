@@ -14,7 +14,7 @@ from helpers.tiers import ASIDE, TIMEOUT, WAITS, HoldWrites, _messages, _wait_un
 
 from dcp_datastates import CheckpointManager, Engine, guard
 from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.memory.aside import GPU_HEADROOM
+from dcp_datastates.memory.aside import GPU_HEADROOM, room_on
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,3 +86,17 @@ def test_manager_save_with_every_slot_held_waits_for_its_slot(
         engine.close()
         filler.clear()
         torch.cuda.empty_cache()
+
+
+def test_room_aside_counts_what_torch_holds_unused() -> None:
+    """A buffer torch's caching allocator holds but no tensor uses (an earlier snapshot's
+    buffer aside, freed) counts as room for the next one; one still in use does not."""
+    held = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with_held, _ = room_on(0)
+    del held
+    free, _ = torch.cuda.mem_get_info(0)
+    room, total = room_on(0)
+    assert room >= free + (1 << 30)
+    assert room >= with_held + (1 << 30)
+    assert total == torch.cuda.mem_get_info(0)[1]

@@ -34,6 +34,7 @@ from helpers.tiers import HoldWrites, make_state, slot_files, steps_in, tier_fil
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates.tiers.slots import NextSlot, Slot, SlotPool
 
 MiB = 1 << 20
 TIMEOUT = 60
@@ -481,3 +482,25 @@ def test_odd_files_in_a_dead_slot_directory(tiers: Tiers, engine: Engine) -> Non
             assert_state_equal(out, state)
     assert target.read_bytes() == b"keep me"
     assert not dead.exists() and list(tiers.memory.glob(".slots.*/slot_*")) == []
+
+
+def test_a_second_wait_for_a_slot_already_given_is_served_at_once(tiers: Tiers,
+                                                                  engine: Engine) -> None:
+    """A save waiting for the next slot asks twice where it stops waiting once the GPU has
+    room (its staging thread's wait, then its move's): when the slot was given between the
+    two, the second call is served at once, not left waiting for a slot that will not come."""
+    pool = SlotPool(engine, tiers.memory, limit=1)
+    try:
+        first = pool.take()
+        assert isinstance(first, Slot)
+        waiting = pool.take(later=True)
+        assert isinstance(waiting, NextSlot)
+        asked, again = threading.Event(), threading.Event()
+        waiting.when_ready(asked.set)
+        assert not asked.is_set()
+        pool.settle(first, tiers.scratch, committed=False)  # never made: a new slot is given
+        assert asked.wait(TIMEOUT) and waiting.slot is not None
+        waiting.when_ready(again.set)
+        assert again.is_set()
+    finally:
+        pool.close()

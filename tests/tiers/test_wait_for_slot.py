@@ -117,6 +117,59 @@ def test_a_save_with_every_slot_in_use_waits_for_its_slot_instead_of_aside(
     assert leases == 0
 
 
+class _RoomLaterEngine(Engine):
+    """An engine that finds no GPU room for a snapshot aside until ``room`` is set (an earlier
+    snapshot aside has left the GPU)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.room = threading.Event()
+
+    def aside_fits_on_gpu(self, sources: list) -> bool:
+        return self.room.is_set()
+
+
+def test_a_save_waiting_for_its_slot_goes_aside_once_the_gpu_has_room(
+        tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
+    """As above, the fifth save waits for its slot (every slot held by commits held back);
+    once the GPU has room again it stops waiting: its snapshot goes aside, so the training may
+    go on while no slot is free yet, then moves into the first slot that comes free and commits
+    there, bit-exact (sources changed after ``wait_for_staging`` do not reach it)."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
+    made = _RoomLaterEngine(io_backend=hold, host_cache_size="8MiB", io_workers=2)
+    states = {s: make_state(s, big=MiB + 3) for s in range(1, 6)}
+    try:
+        with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                               engine=made) as manager:
+            try:
+                handles = [manager.save(s, states[s]) for s in range(1, 6)]
+                _wait_until(lambda: _messages(caplog, WAITS))
+                assert not handles[4].staged.done()
+                made.room.set()
+                _wait_until(lambda: _messages(caplog, ASIDE))  # logged once it is staged
+                manager.wait_for_staging()
+                assert _messages(caplog, "has room again")
+                assert made.arenas.aside_bytes() > 0  # aside: no slot free yet
+                assert not any(h.committed.done() for h in handles)
+            finally:  # a failed assertion must not leave close() waiting for held writes
+                hold.gate.set()
+            states[5]["model"]["w"].add_(1.0)
+            states[5]["big"].add_(1)
+            for handle in handles:
+                handle.result(timeout=TIMEOUT)
+            manager.wait()
+            out = blank_like(states[5])
+            assert manager.load(out, step=5) == 5
+            assert_state_equal(out, make_state(5, big=MiB + 3))
+            assert made.arenas.aside_bytes() == 0
+    finally:
+        hold.gate.set()
+        leases = made.live_leases()
+        made.close()
+    assert leases == 0
+
+
 def test_a_save_waiting_for_its_slot_holds_up_another_managers_saves_and_says_so(
         tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
     """Two managers on one engine share its staging thread: while manager A's save waits
