@@ -24,11 +24,12 @@ A save taken while no free slot is ready (every slot in use, the next one still 
 and pinned, or saves waiting for one) gets the next one to come free (:class:`NextSlot`), in
 save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
 queued once the slot is given (where the GPU has no room to keep it aside, the save's staging
-thread waits for the slot instead, or for room: an earlier snapshot aside moving out). No copy goes into a slot not pinned yet: a copy into
-pageable memory holds the CUDA driver, and the training's next CUDA call waits for all of it (so
-does it, less, while two slots are made at once); once pinning has failed, saves take unpinned
-slots, and once the tier had no room for a slot the pool's thread sized (its pages go back to
-the tier), saves size their slots themselves (the thread still pins them once they are free).
+thread waits for the slot instead, or for room: an earlier snapshot aside moving out). No copy
+goes into a slot not pinned yet: a copy into pageable memory holds the CUDA driver, and the
+training's next CUDA call waits for all of it (so does it, less, while two slots are made at
+once); once pinning has failed, saves take unpinned slots, and once the tier had no room for a
+slot the pool's thread sized (its pages go back to the tier), saves size their slots
+themselves (the thread still pins them once they are free).
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
 manager holds the memory tier's claim (:mod:`.claims`), so any other slot directory there was
@@ -316,7 +317,7 @@ class SlotPool:
         replaces the first's ``queue``, or calls it now where the first was served already."""
         with self._lock:
             waiting.queue = queue
-            served = waiting not in self._waiting
+            served = waiting not in self._waiting and (waiting.slot is not None or self._closed)
         if served:
             queue()
             return
@@ -528,9 +529,10 @@ class SlotPool:
             with self._lock:
                 if slot in self._waiting:  # the save ended before its move was queued
                     self._waiting.remove(slot)
-            if slot.slot is None:
+                given, slot.slot = slot.slot, None  # the save's later calls find no slot
+            if given is None:
                 return
-            slot = slot.slot
+            slot = given
         replaced = None
         with self._lock:
             if committed:  # a step saved again: the file it held was replaced (removed)

@@ -504,3 +504,27 @@ def test_a_second_wait_for_a_slot_already_given_is_served_at_once(tiers: Tiers,
         assert again.is_set()
     finally:
         pool.close()
+
+
+def test_a_save_that_ended_gets_no_slot_when_it_asks_again(tiers: Tiers,
+                                                           engine: Engine) -> None:
+    """A save that ended after its slot was given (failed, abandoned) gives the slot back; a
+    later call of that save's is not served (another save may have the slot by then)."""
+    pool = SlotPool(engine, tiers.memory, limit=1)
+    try:
+        first = pool.take()
+        assert isinstance(first, Slot)
+        waiting = pool.take(later=True)
+        assert isinstance(waiting, NextSlot)
+        asked, again = threading.Event(), threading.Event()
+        waiting.when_ready(asked.set)
+        pool.settle(first, tiers.scratch, committed=False)
+        assert asked.wait(TIMEOUT)
+        given = waiting.slot
+        given.fit(MiB, 1)  # made, as a save sizes it
+        pool.settle(waiting, tiers.scratch, committed=False)  # the save ended
+        waiting.when_ready(again.set)
+        assert not again.is_set() and waiting.slot is None
+        assert pool.take() is given  # free again, for another save
+    finally:
+        pool.close()
