@@ -1,6 +1,7 @@
 """A memory-tier save whose snapshot would wait aside in pageable memory (no room on the GPU)
 waits for its slot instead, on the engine's staging thread, and copies straight into it: the
-training's guard then waits about one commit, not for a slow copy.
+training's guard then waits about one commit, not for a slow copy. Once the GPU has room again
+(an earlier snapshot aside moved out) it stops waiting and goes aside.
 
 The decision (:func:`~dcp_datastates.memory.aside.fits_on_gpu`) is fed fake sizes; the staging path
 runs on CPU tensors through an engine that finds no GPU room (``helpers.fakes.NoGpuRoomEngine``).
