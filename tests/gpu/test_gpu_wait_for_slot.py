@@ -37,59 +37,82 @@ def _fill_gpu() -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
 
+class _Held:
+    """A trained model with a guarded optimizer, four earlier states whose commits are held
+    (every slot of ``keep_memory=1`` in use), and the GPU memory the test fills."""
+
+    def __init__(self, tiers: Tiers, seed: int) -> None:
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.model = torch.nn.Linear(2048, 2048).cuda()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1.0)
+        self.earlier = {s: {"x": torch.randn(1024, 1024, device="cuda", generator=self.gen)}
+                        for s in range(1, 5)}
+        self.hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
+        self.engine = Engine(io_backend=self.hold, host_cache_size="64MiB", io_workers=2)
+        self.filler: list[torch.Tensor] = []
+
+    def manager(self, tiers: Tiers) -> CheckpointManager:
+        manager = CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                                    engine=self.engine)
+        guard(self.opt, manager)
+        return manager
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The model's state after a backward pass (the optimizer step changes it)."""
+        x = torch.randn(8, 2048, device="cuda", generator=self.gen)
+        self.model(x).square().mean().backward()
+        return self.model.state_dict()
+
+    def check_step_5(self, manager: CheckpointManager, saved: dict[str, torch.Tensor]) -> None:
+        out = {k: torch.zeros_like(v) for k, v in saved.items()}
+        assert manager.load(out, step=5) == 5
+        for key, want in saved.items():
+            assert torch.equal(_bits(out[key]), _bits(want)), key
+
+    def close(self) -> None:
+        self.hold.gate.set()
+        self.engine.close()
+        self.filler.clear()
+        torch.cuda.empty_cache()
+
+
 def test_manager_save_with_every_slot_held_waits_for_its_slot(
         tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="dcp_datastates")
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    model = torch.nn.Linear(2048, 2048).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    earlier = {s: {"x": torch.randn(1024, 1024, device="cuda", generator=gen)}
-               for s in range(1, 5)}
-    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
-    engine = Engine(io_backend=hold, host_cache_size="64MiB", io_workers=2)
+    run = _Held(tiers, 7)
     stepped = threading.Event()
-    filler: list[torch.Tensor] = []  # the GPU memory held while the test runs
 
     def step() -> None:
-        opt.step()  # the guard: after the fifth snapshot is copied into its slot
+        run.opt.step()  # the guard: after the fifth snapshot is copied into its slot
         torch.cuda.synchronize()
         stepped.set()
 
     try:
-        with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
-                               engine=engine) as manager:
-            guard(opt, manager)
-            model(torch.randn(8, 2048, device="cuda", generator=gen)).square().mean().backward()
-            state = model.state_dict()
+        with run.manager(tiers) as manager:
+            state = run.state()
             saved = {k: v.detach().clone() for k, v in state.items()}
-            filler.append(_fill_gpu())
-            assert not engine.aside_fits_on_gpu(list(state.values()))
+            run.filler.append(_fill_gpu())
+            assert not run.engine.aside_fits_on_gpu(list(state.values()))
             stepper = threading.Thread(target=step)
             try:
-                handles = [manager.save(s, earlier[s]) for s in range(1, 5)]
+                handles = [manager.save(s, run.earlier[s]) for s in range(1, 5)]
                 handles.append(manager.save(5, state))
                 stepper.start()
                 _wait_until(lambda: _messages(caplog, WAITS))
                 assert not handles[4].staged.done() and not stepped.is_set()
-                assert engine.arenas.aside_bytes() == 0
+                assert run.engine.arenas.aside_bytes() == 0
             finally:  # a failed assertion must not leave close() waiting for held writes
-                hold.gate.set()
+                run.hold.gate.set()
                 if stepper.is_alive():
                     stepper.join(TIMEOUT)
             assert stepped.is_set()
-            assert any(not torch.equal(saved[k], v) for k, v in model.state_dict().items())
+            assert any(not torch.equal(saved[k], v) for k, v in run.model.state_dict().items())
             for handle in handles:
                 handle.result(timeout=TIMEOUT)
-            out = {k: torch.zeros_like(v) for k, v in saved.items()}
-            assert manager.load(out, step=5) == 5
-            for key, want in saved.items():
-                assert torch.equal(_bits(out[key]), _bits(want)), key
+            run.check_step_5(manager, saved)
         assert not _messages(caplog, ASIDE)
     finally:
-        hold.gate.set()
-        engine.close()
-        filler.clear()
-        torch.cuda.empty_cache()
+        run.close()
 
 
 def test_a_save_waiting_for_its_slot_goes_aside_once_the_gpu_has_room(
@@ -99,46 +122,30 @@ def test_a_save_waiting_for_its_slot_goes_aside_once_the_gpu_has_room(
     and the guarded optimizer step runs while every slot is still held; the step loads bit
     exactly once the slots come free."""
     caplog.set_level(logging.INFO, logger="dcp_datastates")
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    model = torch.nn.Linear(2048, 2048).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    earlier = {s: {"x": torch.randn(1024, 1024, device="cuda", generator=gen)}
-               for s in range(1, 5)}
-    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
-    engine = Engine(io_backend=hold, host_cache_size="64MiB", io_workers=2)
-    filler: list[torch.Tensor] = []
+    run = _Held(tiers, 8)
     try:
-        with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
-                               engine=engine) as manager:
-            guard(opt, manager)
-            model(torch.randn(8, 2048, device="cuda", generator=gen)).square().mean().backward()
-            state = model.state_dict()
+        with run.manager(tiers) as manager:
+            state = run.state()
             saved = {k: v.detach().clone() for k, v in state.items()}
-            filler.append(_fill_gpu())
+            run.filler.append(_fill_gpu())
             try:
-                handles = [manager.save(s, earlier[s]) for s in range(1, 5)]
+                handles = [manager.save(s, run.earlier[s]) for s in range(1, 5)]
                 handles.append(manager.save(5, state))
                 _wait_until(lambda: _messages(caplog, WAITS))
-                filler.clear()  # idle in torch's cache: room for the snapshot aside
+                run.filler.clear()  # idle in torch's cache: room for the snapshot aside
                 _wait_until(lambda: _messages(caplog, ASIDE))
                 assert _messages(caplog, "has room again")
-                assert engine.arenas.aside_bytes() > 0
-                opt.step()  # ordered after the copy aside, not after a slot
+                assert run.engine.arenas.aside_bytes() > 0
+                run.opt.step()  # ordered after the copy aside, not after a slot
                 torch.cuda.synchronize()
                 assert not any(h.committed.done() for h in handles)
             finally:  # a failed assertion must not leave close() waiting for held writes
-                hold.gate.set()
+                run.hold.gate.set()
             for handle in handles:
                 handle.result(timeout=TIMEOUT)
-            out = {k: torch.zeros_like(v) for k, v in saved.items()}
-            assert manager.load(out, step=5) == 5
-            for key, want in saved.items():
-                assert torch.equal(_bits(out[key]), _bits(want)), key
+            run.check_step_5(manager, saved)
     finally:
-        hold.gate.set()
-        engine.close()
-        filler.clear()
-        torch.cuda.empty_cache()
+        run.close()
 
 
 def test_room_aside_counts_what_torch_holds_unused() -> None:

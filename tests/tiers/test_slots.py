@@ -484,47 +484,47 @@ def test_odd_files_in_a_dead_slot_directory(tiers: Tiers, engine: Engine) -> Non
     assert not dead.exists() and list(tiers.memory.glob(".slots.*/slot_*")) == []
 
 
-def test_a_second_wait_for_a_slot_already_given_is_served_at_once(tiers: Tiers,
-                                                                  engine: Engine) -> None:
-    """A save waiting for the next slot asks twice where it stops waiting once the GPU has
-    room (its staging thread's wait, then its move's): when the slot was given between the
-    two, the second call is served at once, not left waiting for a slot that will not come."""
+@pytest.fixture
+def given(tiers: Tiers, engine: Engine) -> Iterator[tuple[SlotPool, NextSlot]]:
+    """A pool of one slot and a save that waited for the next one, asked for it
+    (``when_ready``) and was given it (the first slot went back unused)."""
     pool = SlotPool(engine, tiers.memory, limit=1)
     try:
         first = pool.take()
         assert isinstance(first, Slot)
         waiting = pool.take(later=True)
         assert isinstance(waiting, NextSlot)
-        asked, again = threading.Event(), threading.Event()
+        asked = threading.Event()
         waiting.when_ready(asked.set)
         assert not asked.is_set()
         pool.settle(first, tiers.scratch, committed=False)  # never made: a new slot is given
         assert asked.wait(TIMEOUT) and waiting.slot is not None
-        waiting.when_ready(again.set)
-        assert again.is_set()
+        yield pool, waiting
     finally:
         pool.close()
 
 
-def test_a_save_that_ended_gets_no_slot_when_it_asks_again(tiers: Tiers,
-                                                           engine: Engine) -> None:
+def test_a_second_wait_for_a_slot_already_given_is_served_at_once(
+        given: tuple[SlotPool, NextSlot]) -> None:
+    """A save waiting for the next slot asks twice where it stops waiting once the GPU has
+    room (its staging thread's wait, then its move's): when the slot was given between the
+    two, the second call is served at once, not left waiting for a slot that will not come."""
+    _, waiting = given
+    again = threading.Event()
+    waiting.when_ready(again.set)
+    assert again.is_set()
+
+
+def test_a_save_that_ended_gets_no_slot_when_it_asks_again(
+        tiers: Tiers, given: tuple[SlotPool, NextSlot]) -> None:
     """A save that ended after its slot was given (failed, abandoned) gives the slot back; a
     later call of that save's is not served (another save may have the slot by then)."""
-    pool = SlotPool(engine, tiers.memory, limit=1)
-    try:
-        first = pool.take()
-        assert isinstance(first, Slot)
-        waiting = pool.take(later=True)
-        assert isinstance(waiting, NextSlot)
-        asked, again = threading.Event(), threading.Event()
-        waiting.when_ready(asked.set)
-        pool.settle(first, tiers.scratch, committed=False)
-        assert asked.wait(TIMEOUT)
-        given = waiting.slot
-        given.fit(MiB, 1)  # made, as a save sizes it
-        pool.settle(waiting, tiers.scratch, committed=False)  # the save ended
-        waiting.when_ready(again.set)
-        assert not again.is_set() and waiting.slot is None
-        assert pool.take() is given  # free again, for another save
-    finally:
-        pool.close()
+    pool, waiting = given
+    slot = waiting.slot
+    assert slot is not None
+    slot.fit(MiB, 1)  # made, as a save sizes it
+    pool.settle(waiting, tiers.scratch, committed=False)  # the save ended
+    again = threading.Event()
+    waiting.when_ready(again.set)
+    assert not again.is_set() and waiting.slot is None
+    assert pool.take() is slot  # free again, for another save

@@ -76,48 +76,6 @@ def test_engine_finds_room_for_cpu_sources() -> None:
 
 
 # -- the staging path -----------------------------------------------------------------------------
-def test_a_save_with_every_slot_in_use_waits_for_its_slot_instead_of_aside(
-        tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
-    """Commits held back keep every slot (keep_memory=1: 4 of them): the fifth save returns
-    at once, but its snapshot waits on the staging thread, not aside (nothing aside, no host
-    cache), until a slot comes free; it is copied straight into it, and sources changed after
-    ``wait_for_staging`` do not reach the checkpoint. The saves into slots not pinned yet
-    are copied into them at once (no aside either)."""
-    caplog.set_level(logging.INFO, logger="dcp_datastates")
-    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
-    made = NoGpuRoomEngine(io_backend=hold, host_cache_size="8MiB", io_workers=2)
-    states = {s: make_state(s, big=MiB + 3) for s in range(1, 6)}
-    try:
-        with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
-                               engine=made) as manager:
-            try:
-                handles = [manager.save(s, states[s]) for s in range(1, 6)]
-                _wait_until(lambda: _messages(caplog, WAITS))
-                assert not handles[4].staged.done()
-                assert made.arenas.aside_bytes() == 0
-                assert not any(h.committed.done() for h in handles)
-            finally:  # a failed assertion must not leave close() waiting for held writes
-                hold.gate.set()
-            manager.wait_for_staging()
-            states[5]["model"]["w"].add_(1.0)
-            states[5]["big"].add_(1)
-            for handle in handles:
-                handle.result(timeout=TIMEOUT)
-            manager.wait()
-            assert len(tier_files(tiers.memory)) <= 4
-            assert made.cache_bytes() == 2 * MiB, "bounce buffers only: no snapshot cache"
-            out = blank_like(states[5])
-            assert manager.load(out, step=5) == 5
-            assert_state_equal(out, make_state(5, big=MiB + 3))
-        assert len(_messages(caplog, WAITS)) == 1  # the fifth save only
-        assert _messages(caplog, "waited") and not _messages(caplog, ASIDE)
-    finally:
-        hold.gate.set()
-        leases = made.live_leases()
-        made.close()
-    assert leases == 0
-
-
 class _RoomLaterEngine(Engine):
     """An engine that finds no GPU room for a snapshot aside until ``room`` is set (an earlier
     snapshot aside has left the GPU)."""
@@ -130,12 +88,16 @@ class _RoomLaterEngine(Engine):
         return self.room.is_set()
 
 
-def test_a_save_waiting_for_its_slot_goes_aside_once_the_gpu_has_room(
-        tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
-    """As above, the fifth save waits for its slot (every slot held by commits held back);
-    once the GPU has room again it stops waiting: its snapshot goes aside, so the training may
-    go on while no slot is free yet, then moves into the first slot that comes free and commits
-    there, bit-exact (sources changed after ``wait_for_staging`` do not reach it)."""
+@pytest.mark.parametrize("room", [False, True], ids=["no-room", "room-later"])
+def test_a_save_with_every_slot_in_use_waits_for_its_slot_or_room(
+        tiers: Tiers, caplog: pytest.LogCaptureFixture, room: bool) -> None:
+    """Commits held back keep every slot (keep_memory=1: 4 of them): the fifth save returns
+    at once, but its snapshot waits on the staging thread, not aside (nothing aside, no host
+    cache), until a slot comes free; it is copied straight into it, and sources changed after
+    ``wait_for_staging`` do not reach the checkpoint. The saves into slots not pinned yet
+    are copied into them at once (no aside either). Where the GPU has room again before a
+    slot comes free, the save stops waiting: its snapshot goes aside (the training may go on),
+    then moves into the first slot that comes free and commits there, bit-exact."""
     caplog.set_level(logging.INFO, logger="dcp_datastates")
     hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
     made = _RoomLaterEngine(io_backend=hold, host_cache_size="8MiB", io_workers=2)
@@ -147,23 +109,31 @@ def test_a_save_waiting_for_its_slot_goes_aside_once_the_gpu_has_room(
                 handles = [manager.save(s, states[s]) for s in range(1, 6)]
                 _wait_until(lambda: _messages(caplog, WAITS))
                 assert not handles[4].staged.done()
-                made.room.set()
-                _wait_until(lambda: _messages(caplog, ASIDE))  # logged once it is staged
-                manager.wait_for_staging()
-                assert _messages(caplog, "has room again")
-                assert made.arenas.aside_bytes() > 0  # aside: no slot free yet
+                assert made.arenas.aside_bytes() == 0
+                if room:
+                    made.room.set()
+                    _wait_until(lambda: _messages(caplog, ASIDE))  # logged once it is staged
+                    manager.wait_for_staging()
+                    assert _messages(caplog, "has room again")
+                    assert made.arenas.aside_bytes() > 0  # aside: no slot free yet
                 assert not any(h.committed.done() for h in handles)
             finally:  # a failed assertion must not leave close() waiting for held writes
                 hold.gate.set()
+            manager.wait_for_staging()
             states[5]["model"]["w"].add_(1.0)
             states[5]["big"].add_(1)
             for handle in handles:
                 handle.result(timeout=TIMEOUT)
             manager.wait()
+            assert len(tier_files(tiers.memory)) <= 4
             out = blank_like(states[5])
             assert manager.load(out, step=5) == 5
             assert_state_equal(out, make_state(5, big=MiB + 3))
             assert made.arenas.aside_bytes() == 0
+        assert len(_messages(caplog, WAITS)) == 1  # the fifth save only
+        if not room:
+            assert made.cache_bytes() == 2 * MiB, "bounce buffers only: no snapshot cache"
+            assert _messages(caplog, "waited") and not _messages(caplog, ASIDE)
     finally:
         hold.gate.set()
         leases = made.live_leases()
