@@ -34,6 +34,7 @@ from helpers.tiers import HoldWrites, make_state, slot_files, steps_in, tier_fil
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates.memory.aside import stash
 from dcp_datastates.tiers.slots import NextSlot, Slot, SlotPool
 
 MiB = 1 << 20
@@ -509,7 +510,8 @@ def test_a_second_wait_for_a_slot_already_given_is_served_at_once(tiers: Tiers,
 def test_a_save_that_ended_gets_no_slot_when_it_asks_again(tiers: Tiers,
                                                            engine: Engine) -> None:
     """A save that ended after its slot was given (failed, abandoned) gives the slot back; a
-    later call of that save's is not served (another save may have the slot by then)."""
+    later call of that save's (its move, to let its snapshot aside go) is called at once but
+    finds no slot (another save may have the slot by then)."""
     pool = SlotPool(engine, tiers.memory, limit=1)
     try:
         first = pool.take()
@@ -524,7 +526,72 @@ def test_a_save_that_ended_gets_no_slot_when_it_asks_again(tiers: Tiers,
         given.fit(MiB, 1)  # made, as a save sizes it
         pool.settle(waiting, tiers.scratch, committed=False)  # the save ended
         waiting.when_ready(again.set)
-        assert not again.is_set() and waiting.slot is None
+        assert again.is_set() and waiting.slot is None
+        with pytest.raises(RuntimeError):
+            waiting.lease(MiB, 1)
         assert pool.take() is given  # free again, for another save
     finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("registered", ["before", "after"])
+def test_the_aside_of_a_save_that_ended_waiting_for_its_slot_is_let_go(
+        tiers: Tiers, engine: Engine, registered: str) -> None:
+    """A save whose snapshot waits aside for the next slot ends (failed, abandoned, its
+    engine closing) before a slot comes free: its move is still queued (with no slot), so
+    the arena thread lets its copy aside go, whether the move was registered before the
+    save was settled or after (a save that went aside as it ended). No GPU memory or pageable
+    buffer is left held by the engine."""
+    pool = SlotPool(engine, tiers.memory, limit=1)
+    try:
+        first = pool.take()
+        assert isinstance(first, Slot)
+        waiting = pool.take(later=True)
+        assert isinstance(waiting, NextSlot)
+        aside = stash([torch.ones(4096)], None, None)
+        moved, failed = threading.Event(), []
+        if registered == "after":
+            waiting.when_ready(lambda: None)  # the staging thread's wait for the slot
+            pool.settle(waiting, tiers.scratch, committed=False)  # the save ended
+        engine.arenas.move_aside(aside, lambda: moved.set(), when=waiting.when_ready,
+                                 failed=failed.append)
+        assert engine.arenas.aside_bytes() > 0 or moved.is_set()
+        if registered == "before":
+            pool.settle(waiting, tiers.scratch, committed=False)  # the save ended
+        assert moved.wait(10), "the move of the ended save was never queued"
+        wait_until(lambda: engine.arenas.aside_bytes() == 0, "the aside let go")
+        assert failed == [] and waiting.slot is None
+    finally:
+        pool.close()
+
+
+def test_a_move_asked_for_while_the_pool_serves_it_is_queued_once(tiers: Tiers,
+                                                                  engine: Engine) -> None:
+    """The pool serves the saves waiting for a slot, then calls their queues outside its lock;
+    a save whose staging thread asks again meanwhile (it went aside once the GPU had room) is
+    served at once by that call: the pool must not call the new queue a second time (its
+    move would run twice: two copies, and the aside let go twice)."""
+    pool = SlotPool(engine, tiers.memory, limit=2)
+    go_on = threading.Event()
+    try:
+        assert isinstance(pool.take(), Slot) and isinstance(pool.take(), Slot)
+        w1, w2 = pool.take(later=True), pool.take(later=True)
+        assert isinstance(w1, NextSlot) and isinstance(w2, NextSlot)
+        inside = threading.Event()
+
+        def held() -> None:  # the first save's queue: the pool's call stops here
+            inside.set()
+            go_on.wait(TIMEOUT)
+        w1.when_ready(held)
+        w2.when_ready(lambda: None)  # the second save's staging thread waits for its slot
+        closer = threading.Thread(target=pool.close)
+        closer.start()  # serves both (the pool closed), w1 first
+        assert inside.wait(TIMEOUT)
+        moves: list[int] = []
+        w2.when_ready(lambda: moves.append(1))  # its move, once its snapshot went aside
+        go_on.set()
+        closer.join(TIMEOUT)
+        assert moves == [1]
+    finally:
+        go_on.set()
         pool.close()
