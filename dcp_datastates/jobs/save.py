@@ -220,7 +220,10 @@ class SaveJob:
 
     def _into_target(self, plan: _Plan, _: None) -> None:
         """On the arena thread: size the target for a snapshot that waited aside (or, where it
-        cannot take it, fall back to the host cache) and copy it in."""
+        cannot take it, fall back to the host cache) and copy it in. A save that ended
+        meanwhile leases nothing (its slot may be another save's by now)."""
+        if self._ended:
+            return self._go_quiet(plan)
         try:
             lease = self.hold(_target_lease(self.target, plan, self.ticket))
         except BaseException as exc:  # noqa: BLE001 - the save's futures carry it
@@ -440,11 +443,13 @@ def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
              "staged after it wait too)", job.ticket, job.target)
     while not ready.wait(POLL_S):
         if job.ended:
-            raise CheckpointError(f"save {job.ticket} ended while it waited for {job.target}")
-        if job.engine.aside_fits_on_gpu(sources):
+            break
+        if job.engine.aside_fits_on_gpu(sources) and not ready.is_set():
             log.info("dcp_datastates: save %d: the GPU has room again after %.3f s",
                      job.ticket, time.perf_counter() - start)
             return False
+    if job.ended:  # its target then has no slot for it (a settled NextSlot calls back)
+        raise CheckpointError(f"save {job.ticket} ended while it waited for {job.target}")
     log.info("dcp_datastates: save %d waited %.3f s for %s", job.ticket,
              time.perf_counter() - start, job.target)
     return True

@@ -37,10 +37,24 @@ def room_on(device: int) -> tuple[int, int]:
     """(free, total) bytes of ``device`` for a buffer aside: what the driver has free, and what
     torch's caching allocator holds in segments no tensor uses (an earlier snapshot's buffer
     aside goes back there; torch reuses or releases such segments for a new buffer)."""
-    free, total = torch.cuda.mem_get_info(device)
-    stats = torch.cuda.memory_stats(device)
+    return room_in(torch.cuda.mem_get_info(device), torch.cuda.memory_stats(device))
+
+
+#: ``torch.cuda.memory_stats`` keys of the bytes reserved by private pools (CUDA graphs,
+#: ``torch.cuda.MemPool``), one per pool: ``<prefix><pool id>.all.current``.
+_PRIVATE_POOLS = "reserved_bytes_by_private_pools."
+
+
+def room_in(info: tuple[int, int], stats: dict) -> tuple[int, int]:
+    """:func:`room_on` from the driver's ``(free, total)`` and the allocator's ``stats`` (as
+    ``torch.cuda.memory_stats`` gives them). Segments of private pools do not count: a CUDA
+    graph's replays use them, and torch releases them only once the pool is gone (the torch
+    versions that report them per pool; the others count them)."""
+    free, total = info
+    private = sum(v for k, v in stats.items()
+                  if k.startswith(_PRIVATE_POOLS) and k.endswith(".all.current"))
     idle = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
-            - stats.get("inactive_split_bytes.all.current", 0))
+            - stats.get("inactive_split_bytes.all.current", 0) - private)
     return free + max(0, idle), total
 
 

@@ -312,12 +312,13 @@ class SlotPool:
         return waiting
 
     def when_given(self, waiting: NextSlot, queue: Callable[[], None]) -> None:
-        """Call ``queue`` once ``waiting`` has its slot (now if it has), or the pool closed.
-        A second call (a save that waited for its slot, then went aside once the GPU had room)
+        """Call ``queue`` once ``waiting`` has its slot (now if it has), or the pool closed,
+        or the save ended (settled: with no slot; its move lets its snapshot aside go). A
+        second call (a save that waited for its slot, then went aside once the GPU had room)
         replaces the first's ``queue``, or calls it now where the first was served already."""
         with self._lock:
             waiting.queue = queue
-            served = waiting not in self._waiting and (waiting.slot is not None or self._closed)
+            served = waiting not in self._waiting  # given its slot, closed or settled
         if served:
             queue()
             return
@@ -335,15 +336,16 @@ class SlotPool:
                     if waiting.slot is None:
                         short = True
                         break
-            due = [w for w in self._waiting
+            # each save's queue as it is now: one it sets from here on (when_given) is its to call
+            due = [(w, w.queue) for w in self._waiting
                    if w.queue is not None and (w.slot is not None or self._closed)]
-            for waiting in due:
+            for waiting, _ in due:
                 self._waiting.remove(waiting)
         if due or short:
             self._thread.wake()  # to ready the spares their slots made, or the slot on its way
-        for waiting in due:
-            assert waiting.queue is not None  # due holds saves with a queue (never unset)
-            waiting.queue()
+        for _, queue in due:
+            assert queue is not None  # due holds saves with a queue
+            queue()
 
     def _take(self, spare: bool = True) -> Slot | None:
         """(Lock held) A free slot that is ready (pinned, sized as the saves' state is: see
@@ -524,12 +526,18 @@ class SlotPool:
 
     def settle(self, slot: Slot | NextSlot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use
-        it), held by the step ``directory`` (committed there), or lost (a failed save)."""
+        it), held by the step ``directory`` (committed there), or lost (a failed save). A
+        save still waiting for the next slot has its queue called (the move of its snapshot
+        aside, which finds no slot and lets the copy aside go) now or when it asks."""
         if isinstance(slot, NextSlot):
+            queue = None
             with self._lock:
                 if slot in self._waiting:  # the save ended before its move was queued
                     self._waiting.remove(slot)
+                    queue = slot.queue
                 given, slot.slot = slot.slot, None  # the save's later calls find no slot
+            if queue is not None:  # its move finds no slot: it lets the snapshot aside go
+                queue()
             if given is None:
                 return
             slot = given

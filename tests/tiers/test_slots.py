@@ -34,6 +34,7 @@ from helpers.tiers import HoldWrites, make_state, slot_files, steps_in, tier_fil
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates.memory.aside import stash
 from dcp_datastates.tiers.slots import NextSlot, Slot, SlotPool
 
 MiB = 1 << 20
@@ -485,23 +486,30 @@ def test_odd_files_in_a_dead_slot_directory(tiers: Tiers, engine: Engine) -> Non
 
 
 @pytest.fixture
-def given(tiers: Tiers, engine: Engine) -> Iterator[tuple[SlotPool, NextSlot]]:
-    """A pool of one slot and a save that waited for the next one, asked for it
-    (``when_ready``) and was given it (the first slot went back unused)."""
+def waiting(tiers: Tiers, engine: Engine) -> Iterator[tuple[SlotPool, Slot, NextSlot]]:
+    """A pool of one slot, taken (``first``), and a save waiting for the next one."""
     pool = SlotPool(engine, tiers.memory, limit=1)
     try:
         first = pool.take()
         assert isinstance(first, Slot)
-        waiting = pool.take(later=True)
-        assert isinstance(waiting, NextSlot)
-        asked = threading.Event()
-        waiting.when_ready(asked.set)
-        assert not asked.is_set()
-        pool.settle(first, tiers.scratch, committed=False)  # never made: a new slot is given
-        assert asked.wait(TIMEOUT) and waiting.slot is not None
-        yield pool, waiting
+        next_slot = pool.take(later=True)
+        assert isinstance(next_slot, NextSlot)
+        yield pool, first, next_slot
     finally:
         pool.close()
+
+
+@pytest.fixture
+def given(tiers: Tiers, waiting: tuple[SlotPool, Slot, NextSlot]) -> tuple[SlotPool, NextSlot]:
+    """A save that waited for the next slot, asked for it (``when_ready``) and was given it
+    (the first slot went back unused)."""
+    pool, first, next_slot = waiting
+    asked = threading.Event()
+    next_slot.when_ready(asked.set)
+    assert not asked.is_set()
+    pool.settle(first, tiers.scratch, committed=False)  # never made: a new slot is given
+    assert asked.wait(TIMEOUT) and next_slot.slot is not None
+    return pool, next_slot
 
 
 def test_a_second_wait_for_a_slot_already_given_is_served_at_once(
@@ -518,7 +526,8 @@ def test_a_second_wait_for_a_slot_already_given_is_served_at_once(
 def test_a_save_that_ended_gets_no_slot_when_it_asks_again(
         tiers: Tiers, given: tuple[SlotPool, NextSlot]) -> None:
     """A save that ended after its slot was given (failed, abandoned) gives the slot back; a
-    later call of that save's is not served (another save may have the slot by then)."""
+    later call of that save's (its move, to let its snapshot aside go) is called at once but
+    finds no slot (another save may have the slot by then)."""
     pool, waiting = given
     slot = waiting.slot
     assert slot is not None
@@ -526,5 +535,64 @@ def test_a_save_that_ended_gets_no_slot_when_it_asks_again(
     pool.settle(waiting, tiers.scratch, committed=False)  # the save ended
     again = threading.Event()
     waiting.when_ready(again.set)
-    assert not again.is_set() and waiting.slot is None
+    assert again.is_set() and waiting.slot is None
+    with pytest.raises(RuntimeError):
+        waiting.lease(MiB, 1)
     assert pool.take() is slot  # free again, for another save
+
+
+@pytest.mark.parametrize("registered", ["before", "after"])
+def test_the_aside_of_a_save_that_ended_waiting_for_its_slot_is_let_go(
+        tiers: Tiers, engine: Engine, waiting: tuple[SlotPool, Slot, NextSlot],
+        registered: str) -> None:
+    """A save whose snapshot waits aside for the next slot ends (failed, abandoned, its
+    engine closing) before a slot comes free: its move is still queued (with no slot), so
+    the arena thread lets its copy aside go, whether the move was registered before the
+    save was settled or after (a save that went aside as it ended). No GPU memory or pageable
+    buffer is left held by the engine."""
+    pool, _, next_slot = waiting
+    aside = stash([torch.ones(4096)], None, None)
+    moved, failed = threading.Event(), []
+    if registered == "after":
+        next_slot.when_ready(lambda: None)  # the staging thread's wait for the slot
+        pool.settle(next_slot, tiers.scratch, committed=False)  # the save ended
+    engine.arenas.move_aside(aside, lambda: moved.set(), when=next_slot.when_ready,
+                             failed=failed.append)
+    assert engine.arenas.aside_bytes() > 0 or moved.is_set()
+    if registered == "before":
+        pool.settle(next_slot, tiers.scratch, committed=False)  # the save ended
+    assert moved.wait(10), "the move of the ended save was never queued"
+    wait_until(lambda: engine.arenas.aside_bytes() == 0, "the aside let go")
+    assert failed == [] and next_slot.slot is None
+
+
+def test_a_move_asked_for_while_the_pool_serves_it_is_queued_once(tiers: Tiers,
+                                                                  engine: Engine) -> None:
+    """The pool serves the saves waiting for a slot, then calls their queues outside its lock;
+    a save whose staging thread asks again meanwhile (it went aside once the GPU had room) is
+    served at once by that call: the pool must not call the new queue a second time (its
+    move would run twice: two copies, and the aside let go twice)."""
+    pool = SlotPool(engine, tiers.memory, limit=2)
+    go_on = threading.Event()
+    try:
+        assert isinstance(pool.take(), Slot) and isinstance(pool.take(), Slot)
+        w1, w2 = pool.take(later=True), pool.take(later=True)
+        assert isinstance(w1, NextSlot) and isinstance(w2, NextSlot)
+        inside = threading.Event()
+
+        def held() -> None:  # the first save's queue: the pool's call stops here
+            inside.set()
+            go_on.wait(TIMEOUT)
+        w1.when_ready(held)
+        w2.when_ready(lambda: None)  # the second save's staging thread waits for its slot
+        closer = threading.Thread(target=pool.close)
+        closer.start()  # serves both (the pool closed), w1 first
+        assert inside.wait(TIMEOUT)
+        moves: list[int] = []
+        w2.when_ready(lambda: moves.append(1))  # its move, once its snapshot went aside
+        go_on.set()
+        closer.join(TIMEOUT)
+        assert moves == [1]
+    finally:
+        go_on.set()
+        pool.close()

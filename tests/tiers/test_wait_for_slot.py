@@ -32,7 +32,7 @@ from helpers.tiers import (
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.memory.aside import fits_on_gpu
+from dcp_datastates.memory.aside import fits_on_gpu, room_in
 
 pytestmark = MARKS
 MiB, GiB = 1 << 20, 1 << 30
@@ -59,6 +59,22 @@ def test_fits_on_gpu_where_every_device_keeps_its_headroom() -> None:
     assert not fits_on_gpu(sources, cuda, 0.1, _mem_info({0: 13 * GiB, 1: 9 * GiB - 1}))
     assert fits_on_gpu(sources, cuda, 0.0, _mem_info({0: 5 * GiB, 1: GiB}))
     assert not fits_on_gpu(sources, cuda, 1.0, _mem_info({0: 80 * GiB, 1: 80 * GiB}))
+
+
+def test_room_aside_counts_torch_unused_segments_not_private_pools() -> None:
+    """Room for a buffer aside: the driver's free bytes and the segments torch's allocator
+    holds that no tensor uses (reserved, less allocated, less the free parts of segments in
+    use); those of private pools (a CUDA graph's, which its replays use) do not count."""
+    info = (5 * GiB, 80 * GiB)
+    stats = {"reserved_bytes.all.current": 10 * GiB, "allocated_bytes.all.current": 2 * GiB,
+             "inactive_split_bytes.all.current": GiB}
+    assert room_in(info, {}) == info
+    assert room_in(info, stats) == (12 * GiB, 80 * GiB)
+    graphs = {**stats, "reserved_bytes_by_private_pools.0_1.all.current": 4 * GiB,
+              "reserved_bytes_by_private_pools.0_1.large_pool.current": 4 * GiB,
+              "reserved_bytes_by_private_pools.1_2.all.current": 2 * GiB}
+    assert room_in(info, graphs) == (6 * GiB, 80 * GiB)
+    assert room_in(info, {**graphs, "allocated_bytes.all.current": 9 * GiB}) == info
 
 
 def test_fits_on_gpu_without_cuda_python_or_gpu_sources() -> None:
