@@ -436,22 +436,19 @@ def _waited(job: SaveJob, sources: list[torch.Tensor]) -> bool:
     ready, start = threading.Event(), time.perf_counter()
     assert job.target is not None  # asked only for a target that is not ready
     job.target.when_ready(ready.set)
-    if ready.is_set():
-        return True
-    log.info("dcp_datastates: save %d: %s is not ready yet and the GPU has no room to keep "
-             "the snapshot aside; the snapshot waits for it or for room (the engine's saves "
-             "staged after it wait too)", job.ticket, job.target)
-    while not ready.wait(POLL_S):
-        if job.ended:
-            break
-        if job.engine.aside_fits_on_gpu(sources) and not ready.is_set():
-            log.info("dcp_datastates: save %d: the GPU has room again after %.3f s",
-                     job.ticket, time.perf_counter() - start)
-            return False
+    if not ready.is_set():
+        log.info("dcp_datastates: save %d: %s is not ready yet and the GPU has no room to keep "
+                 "the snapshot aside; the snapshot waits for it or for room (the engine's saves "
+                 "staged after it wait too)", job.ticket, job.target)
+        while not ready.wait(POLL_S) and not job.ended:
+            if job.engine.aside_fits_on_gpu(sources) and not ready.is_set():
+                log.info("dcp_datastates: save %d: the GPU has room again after %.3f s",
+                         job.ticket, time.perf_counter() - start)
+                return False
+        log.info("dcp_datastates: save %d waited %.3f s for %s", job.ticket,
+                 time.perf_counter() - start, job.target)
     if job.ended:  # its target then has no slot for it (a settled NextSlot calls back)
         raise CheckpointError(f"save {job.ticket} ended while it waited for {job.target}")
-    log.info("dcp_datastates: save %d waited %.3f s for %s", job.ticket,
-             time.perf_counter() - start, job.target)
     return True
 
 
