@@ -37,7 +37,11 @@ def room_on(device: int) -> tuple[int, int]:
     """(free, total) bytes of ``device`` for a buffer aside: what the driver has free, and what
     torch's caching allocator holds in segments no tensor uses (an earlier snapshot's buffer
     aside goes back there; torch reuses or releases such segments for a new buffer)."""
-    return room_in(torch.cuda.mem_get_info(device), torch.cuda.memory_stats(device))
+    try:
+        stats = torch.cuda.memory_stats(device)
+    except RuntimeError:  # an allocator backend without statistics: the driver's figure alone
+        stats = {}
+    return room_in(torch.cuda.mem_get_info(device), stats)
 
 
 #: ``torch.cuda.memory_stats`` keys of the bytes reserved by private pools (CUDA graphs,
