@@ -1,10 +1,12 @@
-"""Byte sizes written the way people write them: ``4096``, ``"512MiB"``, ``"16GiB"``."""
+"""Byte sizes written the way people write them: ``4096``, ``"512MiB"``, ``"16GiB"``; the
+free bytes of a file system."""
 
 from __future__ import annotations
 
+import os
 import re
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["format_size", "free_bytes", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -48,3 +50,9 @@ def format_size(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.2f} TiB"
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes free for an unprivileged writer on ``path``'s file system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

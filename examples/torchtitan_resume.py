@@ -247,8 +247,9 @@ def resume_check(spec: Spec, root: Path, reference: Outcome | None = None,
             shutil.rmtree(memory / "run" / f"rank_{drop_rank_tier}", ignore_errors=True)
         newest_step = newest()
         resumed = run(cmd, root / "resumed.log")
-    finally:
-        shutil.rmtree(memory, ignore_errors=True)
+    finally:  # the logs stay; the checkpoints (gigabytes each) go
+        for tier in (memory, folder, root / "reference"):
+            shutil.rmtree(tier, ignore_errors=True)
     result = verdict(reference, killed, resumed, newest_step)
     result["dropped_rank_tier"] = drop_rank_tier
     return result

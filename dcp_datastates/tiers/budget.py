@@ -23,7 +23,7 @@ cost the intervals earn with room to spare (capped at one save's cost, the accou
 saves more rarely than their cost allowed).
 
 While the memory tier is being set up (its slots sized and pinned in the background, after
-``prepare()`` or as saves take them), the loop may run slower: an interval of the set-up that a
+``prepare()`` or the first save), the loop may run slower: an interval of the set-up that a
 save in flight overlaps is not charged to it, and earns what a typical interval does (the
 baseline's, once known), so a one-time start-up cost neither starves the account nor pays for a
 burst of saves; one that no save overlaps is a quiet interval like any other (the set-up runs

@@ -67,7 +67,8 @@ class CheckpointManager:
             (made 0700). Give every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (plus the one being written and one ready
             for the next save: size the tier for ``keep_memory + 2`` states, ``+ 3`` where
-            saves pile up or a persist lags behind them; slots are made as saves need them).
+            saves pile up or a persist lags behind them; ``keep_memory + 2`` slots are made
+            in the background from ``prepare()`` or the first save on).
         keep_durable: durable checkpoints kept (None: all); also the sets of steps set
             aside in ``durable_dir/.abandoned`` that are kept.
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
@@ -145,7 +146,9 @@ class CheckpointManager:
     def _wire(self) -> None:
         """Make the parts (and the groups, collectively, in the same order on every rank)."""
         # on tmpfs, snapshots go straight into slot files that become the steps' data files
-        self._slots = (SlotPool(self.engine, self.memory, self.keep_memory + 3)
+        self._slots = (SlotPool(self.engine, self.memory, self.keep_memory + 3,
+                                rotation=self.keep_memory + 2,
+                                room=lambda: self._saver.slot_room())
                        if memory_backed(self.memory) else None)
         self._retention = Retention(self.memory, self.durable, self._slots, self._ranks,
                                     keep_aside=self.keep_durable)
@@ -243,12 +246,13 @@ class CheckpointManager:
             f"the next save then sets the newer steps aside{aside}")
 
     def prepare(self, state: dict, wait: bool = False) -> None:
-        """Have the memory tier's next slot sized for states like ``state`` and pinned
-        (seconds for a slot of a few GiB) in the background, then one more ahead of each save;
-        a save meanwhile waits aside for its slot (the training does not wait). ``wait``:
-        return once the slot is pinned (or pinning failed). Without it, on a GPU, the first
-        save does the same with its own state (it then waits aside for its slot); without
-        a GPU, where nothing is pinned, it sizes its slot itself."""
+        """Have the memory tier's slots (``keep_memory + 2``) sized for states like ``state``
+        and pinned (seconds each for a few GiB), one after the other in the background, then
+        one more ahead of a save that finds no other free; a save meanwhile waits aside for
+        its slot (the training does not wait). ``wait``: return once they are pinned (or
+        pinning failed). Without it, on a GPU, the first save does the same with its own
+        state (it then waits aside for its slot); without a GPU, where nothing is pinned, it
+        sizes its slot itself."""
         self._check_open("nothing to prepare")
         if self._slots is not None:
             self._slots.prepare(*_snapshot_size(state), wait=wait)

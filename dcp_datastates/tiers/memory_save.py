@@ -10,7 +10,6 @@ would run it on a thread of its own. What follows the commits runs in save order
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from ..engine import Engine
 from ..errors import TierFullError
 from ..format.align import round_up
 from ..memory.host_cache import nbytes_of
-from ..sizes import format_size
+from ..sizes import format_size, free_bytes
 from ..writer import DataStatesWriter
 from . import local_dcp
 from .handles import SaveFigures, SaveHandle, failed_handle
@@ -145,14 +144,18 @@ class MemorySaver:
         """Bytes a new memory-tier checkpoint may take now, besides the ``reused`` bytes of
         the slot it is snapshotted into (on the tier already: they count towards the limit,
         not against the file system's free space)."""
-        st = os.statvfs(self.memory)
-        free = st.f_bavail * st.f_frsize
+        free = free_bytes(self.memory)
         if self.limit is None:
             return free
         roots = self.retention.memory_roots()
         used = sum(size_of(step_dir(root, s)) for root in roots for s in steps(root))
         used += self.slots.free_bytes() if self.slots is not None else 0
         return max(0, min(free, self.limit - used - reused))
+
+    def slot_room(self) -> int:
+        """Bytes the tier has for memory-tier slots made ahead of the saves: its room, less
+        the slack a save's admission keeps."""
+        return max(0, self.room() - SLACK_BYTES)
 
     def after_commit(self, handle: SaveHandle, start: float,
                      slot: Slot | NextSlot | None) -> None:

@@ -12,14 +12,15 @@ removed it) is unmapped and forgotten.
 Making a slot (populating its pages and pinning them: seconds for a few GiB) never delays a
 save's call or the training: the pool's thread (:mod:`~dcp_datastates.workers.background`)
 sizes and pins free slots in the background, one at a time, the one the next save needs first.
-Slots are made as saves need them, not all at once: from :meth:`SlotPool.prepare` on, the
-pool keeps :data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its
-``limit`` (sized as ``prepare()`` said, or as two saves in a row took: a state that grew since,
-e.g. by its optimizer's state, has its free slots sized again in the background); a slot a
-dropped step gives back is free again (slots made stay). Saves that are committed before
-the next one comes (every N steps) hold ``keep_memory + 2`` slots at most: the kept steps,
-the one being written and the spare; one more while a step older than the kept ones is still
-being persisted (retention leaves it).
+From :meth:`SlotPool.prepare` on, the pool makes the slots that saves committed before the
+next one comes (every N steps) rotate through, its ``rotation``: the kept steps, the one being
+written and the spare (``keep_memory + 2``), one after the other in the background while
+training starts, so that the first saves find theirs ready; then it keeps :data:`SPARE` free
+slot(s) sized and pinned ahead of the next save, up to its ``limit`` (one more than the
+rotation: while a step older than the kept ones is still being persisted, retention leaves
+it). Slots are sized as ``prepare()`` said, or as two saves in a row took (a state that grew
+since, e.g. by its optimizer's state, has its free slots sized again in the background); a
+slot a dropped step gives back is free again (slots made stay).
 A save taken while no free slot is ready (every slot in use, the next one still being sized
 and pinned, or saves waiting for one) gets the next one to come free (:class:`NextSlot`), in
 save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
@@ -53,6 +54,7 @@ from typing import Protocol
 from ..format.align import ALIGN, round_up
 from ..format.directory import new_token
 from ..memory.host_cache import Arena, Lease
+from ..sizes import free_bytes
 from ..workers.background import Background
 
 
@@ -230,14 +232,20 @@ class NextSlot:
 
 
 class SlotPool:
-    """A memory tier's slots: ``limit`` at most, free or holding a step's data file, made as
-    saves take them (:data:`SPARE` ahead); free ones are sized (after :meth:`prepare`) and
-    pinned by a thread of the pool's, one at a time."""
+    """A memory tier's slots: ``limit`` at most, free or holding a step's data file, made
+    from :meth:`prepare` on (``rotation`` of them, then :data:`SPARE` ahead of the saves);
+    free ones are sized (after :meth:`prepare`) and pinned by a thread of the pool's, one at
+    a time."""
 
-    def __init__(self, engine: FileMapper, memory: Path, limit: int) -> None:
+    def __init__(self, engine: FileMapper, memory: Path, limit: int,
+                 rotation: int = SPARE, room: Callable[[], int] | None = None) -> None:
         self.engine = engine
         self.directory = memory / f"{SLOT_DIR_PREFIX}{os.getpid()}.{new_token()}"
         self.limit = limit
+        self._rotation = min(rotation, limit)  # 0 once the tier had no room (release_free)
+        # bytes the tier has for more (its free slots aside): its file system's, by default
+        self._room = room or (lambda: free_bytes(self.directory))
+        self._cap = 0  # bytes the rotation's slots may take (the tier's room at prepare)
         self._free: list[Slot] = []
         self._held: dict[Path, Slot] = {}  # step directory -> its slot
         self._readying: list[Slot] = []  # free slots being sized or pinned (thread, waiter)
@@ -384,12 +392,23 @@ class SlotPool:
         self._thread.wake()
 
     def _add_spares(self) -> None:
-        """(Lock held) Make slots until :data:`SPARE` are free or being readied, once
-        :meth:`prepare` said how large (``limit`` allowing)."""
+        """(Lock held) Make slots until the rotation is made and :data:`SPARE` are free or
+        being readied, once :meth:`prepare` said how large (``limit`` allowing)."""
         while (self._want is not None and self._count < self.limit
-               and len(self._free) + len(self._readying) < self._spares):
+               and (self._rotating()
+                    or len(self._free) + len(self._readying) < self._spares)):
             self._free.append(Slot(self, next(self._names)))
             self._count += 1
+
+    def _rotating(self) -> bool:
+        """(Lock held) Whether a slot of the rotation is still to be made: fewer than
+        ``rotation`` exist, and the tier's room when :meth:`prepare` came (``room``, with
+        the free slots' bytes) holds one more of the size it gave."""
+        if self._want is None or self._count >= self._rotation:
+            return False
+        total, entries = self._want
+        return (self._count + 1) * (max(self.room, _header_room(entries))
+                                    + round_up(total)) <= self._cap
 
     def slot_bytes(self) -> int:
         """Bytes the largest slot takes on the tier."""
@@ -410,11 +429,13 @@ class SlotPool:
             return self._want is not None
 
     def prepare(self, total: int, entries: int, wait: bool = False) -> None:
-        """Make the spare slot(s) now; the pool's thread sizes each free slot for ``total``
+        """Make the rotation's slots now; the pool's thread sizes each free slot for ``total``
         bytes of ``entries`` tensors and pins it, in the background (``wait``: the calling
         thread helps, and returns once no free slot is left to ready)."""
+        room = self._room()  # not under the lock: it asks for free_bytes()
         with self._lock:
             self._want = (total, entries)
+            self._cap = room + sum(s.nbytes for s in self._free)  # adopted slots' pages
             self._add_spares()
         self._thread.wake()
         if wait:
@@ -507,7 +528,7 @@ class SlotPool:
         to get (one being readied once the pool's thread is done with it: the save does not
         wait, and no longer counts it), and make no more spares; return how many go."""
         with self._lock:
-            self._spares = 0
+            self._spares = self._rotation = 0
             unowed = self._spare_slots()
             slots = [s for s in unowed if s not in self._readying]
             doomed = [s for s in unowed if s in self._readying]

@@ -117,24 +117,28 @@ def test_manager_save_with_every_slot_held_waits_for_its_slot(
 
 def test_a_save_waiting_for_its_slot_goes_aside_once_the_gpu_has_room(
         tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
-    """As above, the fifth save waits for its slot on a full GPU; once the memory held is freed
-    (to torch's cache, as an earlier snapshot's buffer aside is), the save goes aside on the GPU
-    and the guarded optimizer step runs while every slot is still held; the step loads bit
-    exactly once the slots come free."""
+    """As above, the fifth save waits for its slot on a full GPU (filled once the earlier
+    snapshots are staged); once the memory held is freed (to torch's cache, as an earlier
+    snapshot's buffer aside is), the save goes aside on the GPU and the guarded optimizer step
+    runs while every slot is still held; the step loads bit exactly once the slots come
+    free."""
     caplog.set_level(logging.INFO, logger="dcp_datastates")
     run = _Held(tiers, 8)
     try:
         with run.manager(tiers) as manager:
             state = run.state()
             saved = {k: v.detach().clone() for k, v in state.items()}
-            run.filler.append(_fill_gpu())
             try:
                 handles = [manager.save(s, run.earlier[s]) for s in range(1, 5)]
+                for handle in handles:
+                    handle.staged.result(TIMEOUT)
+                run.filler.append(_fill_gpu())
+                assert not run.engine.aside_fits_on_gpu(list(state.values()))
                 handles.append(manager.save(5, state))
-                _wait_until(lambda: _messages(caplog, WAITS))
+                _wait_until(lambda: _messages(caplog, "save 5: the next memory-tier slot to "
+                                                      "come free is not ready yet and"))
                 run.filler.clear()  # idle in torch's cache: room for the snapshot aside
-                _wait_until(lambda: _messages(caplog, ASIDE))
-                assert _messages(caplog, "has room again")
+                _wait_until(lambda: _messages(caplog, "save 5: the GPU has room again"))
                 assert run.engine.arenas.aside_bytes() > 0
                 run.opt.step()  # ordered after the copy aside, not after a slot
                 torch.cuda.synchronize()

@@ -188,16 +188,22 @@ class SlowGuardEngine(Engine):
 
 class HeldPinEngine(Engine):
     """An engine whose ``pin_file`` (the pinning of memory-tier slots, on the slot pool's
-    thread) waits until ``gate`` is set; ``pinning`` is set once a pin waits, ``fail`` makes
-    the pins raise instead. ``pinned`` counts the pins done."""
+    thread) waits until ``gate`` is set, after the first ``free_pins``; ``pinning`` is set
+    once a pin waits, ``fail`` makes the pins raise instead. ``pinned`` counts the pins
+    done."""
 
-    def __init__(self, **kw: object) -> None:
+    def __init__(self, free_pins: int = 0, **kw: object) -> None:
         super().__init__(**kw)
         self.gate, self.pinning = threading.Event(), threading.Event()
         self.fail = False
         self.pinned = 0
+        self.free_pins = free_pins
 
     def pin_file(self, arena: object) -> None:
+        if self.pinned < self.free_pins:
+            super().pin_file(arena)
+            self.pinned += 1
+            return
         self.pinning.set()
         if self.fail:
             raise RuntimeError("cudaHostRegister failed: cudaErrorMemoryAllocation (fake)")

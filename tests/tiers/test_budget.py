@@ -418,9 +418,10 @@ def test_a_slow_start_while_the_tier_is_set_up_does_not_starve_the_budget(
 
 def test_a_set_up_that_outlasts_the_first_saves_does_not_starve_the_budget(
         clock: FakeClock) -> None:
-    """Slots are made as saves take them, so the tier may be set up for all of the first 60
-    steps: the intervals no save overlaps still give the loop's pace, and the share of saves
-    taken stays within 20% of a steady loop's (it was the first save alone)."""
+    """Slots are made one after the other in the background, so the tier may be set up for
+    all of the first 60 steps: the intervals no save overlaps still give the loop's pace, and
+    the share of saves taken stays within 20% of a steady loop's (it was the first save
+    alone)."""
     steady = _taken_with_a_slow_start(FakeClock(), slow=False, flagged=True)
     start = _taken_with_a_slow_start(clock, slow=True, flagged=True, set_up=60, factor=1.05)
     assert abs(len(start) / len(steady) - 1) <= 0.2, (len(start), len(steady))

@@ -106,34 +106,38 @@ def test_a_slot_the_tier_has_no_room_for_holds_none_of_its_pages(
         pool.close()
 
 
-def test_a_save_that_gives_the_spare_up_does_not_wait_for_its_pinning(
-        tiers: Tiers, engine: HeldPinEngine) -> None:
+def test_a_save_that_comes_while_its_slot_is_pinned_does_not_wait_for_it(
+        tiers: Tiers) -> None:
     """``memory_limit`` holds two states (keep_memory=1: the kept step and the one being
-    written), not the spare as well. The second save comes while the spare is being pinned
-    (held): its call returns at once (it waited in ``release_free`` for the pinning, on the
-    training thread: seconds on a GPU host), and once pinning goes on it commits into the
-    spare and loads exactly."""
+    written), so prepare() makes two slots, not the rotation's three. The second save comes
+    while the second slot is being pinned (held): its call returns at once (a save once
+    waited for that pinning on the training thread: seconds on a GPU host), and once pinning
+    goes on it commits into that slot and loads exactly."""
+    engine = HeldPinEngine(free_pins=1, io_backend="threads", host_cache_size="8MiB",
+                           io_workers=2)
     states = {s: make_state(s, big=2 * MiB) for s in (1, 2)}
     slot = 2 * MiB + 256 * 1024  # a slot of one state: data and header room
-    with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
-                           engine=engine, memory_limit=2 * slot + 2 * MiB) as manager:
-        manager.prepare(states[1], wait=True)
-        engine.gate.clear()
-        engine.pinning.clear()
-        manager.save(1, states[1]).result(timeout=10)
-        assert engine.pinning.wait(5), "the spare is being pinned"
-        opens = threading.Timer(3, engine.gate.set)  # bounds the wait where save() waits
-        opens.start()
-        start = time.monotonic()
-        handle = manager.save(2, states[2])
-        called = time.monotonic() - start
+    try:
+        with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                               engine=engine, memory_limit=2 * slot + 2 * MiB) as manager:
+            manager.prepare(states[1])
+            assert engine.pinning.wait(5), "the second slot is being pinned"
+            manager.save(1, states[1]).result(timeout=10)
+            opens = threading.Timer(3, engine.gate.set)  # bounds the wait where save() waits
+            opens.start()
+            start = time.monotonic()
+            handle = manager.save(2, states[2])
+            called = time.monotonic() - start
+            engine.gate.set()
+            opens.cancel()
+            handle.result(timeout=10)
+            assert called < 2, f"save() waited {called:.1f} s for its slot's pinning"
+            out = blank_like(states[2])
+            assert manager.load(out) == 2
+            assert_state_equal(out, states[2])
+    finally:
         engine.gate.set()
-        opens.cancel()
-        handle.result(timeout=10)
-        assert called < 2, f"save() waited {called:.1f} s for the spare's pinning"
-        out = blank_like(states[2])
-        assert manager.load(out) == 2
-        assert_state_equal(out, states[2])
+        engine.close()
 
 
 def test_slots_follow_a_state_that_grew_after_prepare(tiers: Tiers,

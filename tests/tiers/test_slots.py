@@ -1,9 +1,10 @@
-"""The memory tier's slots, and resuming at memory speed: slots are made as saves need them and
-pinned in the background, so a save is taken while pinning is still under way (into an unpinned
-slot); a close while ``prepare(wait=True)`` pins leaks no slot; and a manager started after a
-process was killed adopts the slot files that process left in the tier instead of deleting them
-(never files a link or an odd entry of a dead slot directory points at). Pinning is held through
-an injected engine (``HeldPinEngine``); no test is timed against the wall clock.
+"""The memory tier's slots, and resuming at memory speed: slots are made from ``prepare()``
+on (the rotation the saves need) and pinned in the background, so a save is taken while
+pinning is still under way (into an unpinned slot); a close while ``prepare(wait=True)`` pins
+leaks no slot; and a manager started after a process was killed adopts the slot files that
+process left in the tier instead of deleting them (never files a link or an odd entry of a
+dead slot directory points at). Pinning is held through an injected engine
+(``HeldPinEngine``); no test is timed against the wall clock.
 """
 
 from __future__ import annotations
@@ -89,15 +90,15 @@ def test_a_save_into_a_slot_not_ready_waits_aside(tiers: Tiers, held: HeldPinEng
 def test_prepare_wait_returns_once_every_slot_is_pinned(tiers: Tiers,
                                                         held: HeldPinEngine) -> None:
     """prepare(wait=True) (a benchmark's set-up, off the clock): the calling thread helps the
-    pool's thread and returns with the next save's slot sized and pinned (no more: slots are
-    made as saves take them); saves then go into them."""
+    pool's thread and returns with the rotation's slots (``keep_memory + 2``) sized and
+    pinned, no more; saves then go into them."""
     held.gate.set()
     state = make_state(1, big=MiB + 3)
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
                            persist=None, engine=held) as manager:
         manager.prepare(state, wait=True)
         made = slot_files(tiers.memory)
-        assert len(made) == 1 and held.pinned == 1, (made, held.pinned)
+        assert len(made) == 3 and held.pinned == 3, (made, held.pinned)
         manager.save(1, state).result(timeout=30)
         manager.wait()
         out = blank_like(state)
@@ -106,12 +107,12 @@ def test_prepare_wait_returns_once_every_slot_is_pinned(tiers: Tiers,
 
 
 @pytest.mark.parametrize("keep_memory", [1, 3])
-def test_slots_are_made_as_saves_need_them(tiers: Tiers, held: HeldPinEngine,
-                                           keep_memory: int) -> None:
-    """The tier holds what the saves need, not ``keep_memory + 3`` slots from the start: one
-    ready ahead of the next save after prepare(), one more per save until the kept steps are
-    there, then ``keep_memory + 2`` at most (kept steps, the one being written, the spare)
-    through saves that commit before the next; every slot made is pinned."""
+def test_prepare_makes_the_rotation_and_saves_hold_no_more(tiers: Tiers, held: HeldPinEngine,
+                                                          keep_memory: int) -> None:
+    """prepare() makes the slots that saves committed before the next one rotate through
+    (the kept steps, the one being written, the spare: ``keep_memory + 2``), not the limit's
+    ``keep_memory + 3``, and the saves that follow hold no more; every slot made is
+    pinned."""
     held.gate.set()
     state = make_state(1, big=MiB + 3)
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=keep_memory,
@@ -126,8 +127,7 @@ def test_slots_are_made_as_saves_need_them(tiers: Tiers, held: HeldPinEngine,
             counts.append(len(tier_files(tiers.memory)))
         manager.prepare(state, wait=True)  # to count the pins of the spare made last
         assert held.pinned == len(tier_files(tiers.memory))
-    growing = [min(k + 1, keep_memory + 2) for k in range(len(counts))]
-    assert counts == growing, counts
+    assert counts == [keep_memory + 2] * len(counts), counts
     assert steps_in(tiers.memory)[-1] == 3 * keep_memory + 2
 
 
@@ -136,7 +136,7 @@ def test_saves_the_budget_skips_make_no_slots(tiers: Tiers, held: HeldPinEngine,
                                              keep_memory: int) -> None:
     """Under ``max_overhead``, saves skipped (each costs 0.5 s in its call: one in ten fits)
     leave no slot behind (each once made a spare, readied in turn: seconds of populating and
-    pinning each); the tier holds a slot per save taken and the spare."""
+    pinning each); the tier holds the rotation's slots that prepare() made, no more."""
     held.gate.set()
     state = make_state(1, big=MiB + 3)
     clock = FakeClock()
@@ -155,7 +155,7 @@ def test_saves_the_budget_skips_make_no_slots(tiers: Tiers, held: HeldPinEngine,
         made = len(tier_files(tiers.memory))
     assert 1 <= len(taken) < 11 and handles[1].reason.startswith("budget"), [
         h.reason for h in handles]
-    assert made <= len(taken) + 1, (made, taken)  # each save taken, and the spare
+    assert made == keep_memory + 2, (made, taken)
 
 
 def test_a_persist_that_lags_holds_one_slot_more(tiers: Tiers) -> None:
