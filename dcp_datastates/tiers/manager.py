@@ -38,7 +38,7 @@ from .budget import Budget, check_max_overhead
 from .claims import MEMORY_MODE, TierClaims
 from .handles import SaveFigures, SaveHandle
 from .local_dcp import plain
-from .memory_save import MemorySaver
+from .memory_save import MemorySaver, state_bytes
 from .persister import Persister
 from .private import check_private, user_root
 from .ranks import Ranks
@@ -202,7 +202,8 @@ class CheckpointManager:
             self._rollback = None
         budget, slots = self._budget, self._slots
         if slots is not None and self.engine.cuda is not None and not slots.prepared():
-            slots.prepare(*_snapshot_size(state))  # no copy into a slot not pinned yet
+            slots.prepare(*_snapshot_size(state), nbytes=state_bytes(plain(state)))  # no copy
+            # into a slot not pinned yet
         slot = (slots.take(later=budget is None, spare=budget is None) if slots is not None
                 else None)
         if budget is not None:
@@ -255,7 +256,8 @@ class CheckpointManager:
         sizes its slot itself."""
         self._check_open("nothing to prepare")
         if self._slots is not None:
-            self._slots.prepare(*_snapshot_size(state), wait=wait)
+            self._slots.prepare(*_snapshot_size(state), wait=wait,
+                                nbytes=state_bytes(plain(state)))
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for_staging(self) -> None:
