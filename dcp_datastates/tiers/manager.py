@@ -67,8 +67,9 @@ class CheckpointManager:
             (made 0700). Give every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (plus the one being written and one ready
             for the next save: size the tier for ``keep_memory + 2`` states, ``+ 3`` where
-            saves pile up or a persist lags behind them; ``keep_memory + 2`` slots are made
-            in the background from ``prepare()`` or the first save on).
+            saves pile up or a persist lags behind them; ``keep_memory + 2`` slots, as many
+            as the tier has room for then, are made in the background from ``prepare()`` on,
+            or on a GPU from the first save on).
         keep_durable: durable checkpoints kept (None: all); also the sets of steps set
             aside in ``durable_dir/.abandoned`` that are kept.
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much

@@ -69,8 +69,8 @@ class FileMapper(Protocol):
 log = logging.getLogger("dcp_datastates")
 
 SLOT_DIR_PREFIX = ".slots."
-#: Free slots the pool keeps sized and pinned ahead of the next save (made as saves take
-#: them; the first by ``prepare()``).
+#: Free slots the pool keeps sized and pinned ahead of the next save once the rotation is
+#: made (``prepare()`` makes the rotation's slots, as many as the tier has room for).
 SPARE = 1
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (an entry, its alignment
 #: pad's and its share of the bytes items'; a header that outgrows it raises the pool's room).
