@@ -38,7 +38,7 @@ from .budget import Budget, check_max_overhead
 from .claims import MEMORY_MODE, TierClaims
 from .handles import SaveFigures, SaveHandle
 from .local_dcp import plain
-from .memory_save import MemorySaver
+from .memory_save import MemorySaver, state_bytes
 from .persister import Persister
 from .private import check_private, user_root
 from .ranks import Ranks
@@ -67,8 +67,9 @@ class CheckpointManager:
             (made 0700). Give every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (plus the one being written and one ready
             for the next save: size the tier for ``keep_memory + 2`` states, ``+ 3`` where
-            saves pile up or a persist lags behind them; ``keep_memory + 2`` slots are made
-            in the background from ``prepare()`` or the first save on).
+            saves pile up or a persist lags behind them; ``keep_memory + 2`` slots, as many
+            as the tier has room for then, are made in the background from ``prepare()`` on,
+            or on a GPU from the first save on).
         keep_durable: durable checkpoints kept (None: all); also the sets of steps set
             aside in ``durable_dir/.abandoned`` that are kept.
         memory_limit: bytes the memory tier may hold (an int or ``"48GiB"``); default: as much
@@ -202,7 +203,8 @@ class CheckpointManager:
             self._rollback = None
         budget, slots = self._budget, self._slots
         if slots is not None and self.engine.cuda is not None and not slots.prepared():
-            slots.prepare(*_snapshot_size(state))  # no copy into a slot not pinned yet
+            slots.prepare(*_snapshot_size(state), nbytes=state_bytes(plain(state)))  # no copy
+            # into a slot not pinned yet
         slot = (slots.take(later=budget is None, spare=budget is None) if slots is not None
                 else None)
         if budget is not None:
@@ -255,7 +257,8 @@ class CheckpointManager:
         sizes its slot itself."""
         self._check_open("nothing to prepare")
         if self._slots is not None:
-            self._slots.prepare(*_snapshot_size(state), wait=wait)
+            self._slots.prepare(*_snapshot_size(state), wait=wait,
+                                nbytes=state_bytes(plain(state)))
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for_staging(self) -> None:

@@ -69,8 +69,8 @@ class FileMapper(Protocol):
 log = logging.getLogger("dcp_datastates")
 
 SLOT_DIR_PREFIX = ".slots."
-#: Free slots the pool keeps sized and pinned ahead of the next save (made as saves take
-#: them; the first by ``prepare()``).
+#: Free slots the pool keeps sized and pinned ahead of the next save once the rotation is
+#: made (``prepare()`` makes the rotation's slots, as many as the tier has room for).
 SPARE = 1
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (an entry, its alignment
 #: pad's and its share of the bytes items'; a header that outgrows it raises the pool's room).
@@ -246,6 +246,7 @@ class SlotPool:
         # bytes the tier has for more (its free slots aside): its file system's, by default
         self._room = room or (lambda: free_bytes(self.directory))
         self._cap = 0  # bytes the rotation's slots may take (the tier's room at prepare)
+        self._nbytes = 0  # bytes a save asks the tier for (prepare's): its slot's, or more
         self._free: list[Slot] = []
         self._held: dict[Path, Slot] = {}  # step directory -> its slot
         self._readying: list[Slot] = []  # free slots being sized or pinned (thread, waiter)
@@ -403,12 +404,13 @@ class SlotPool:
     def _rotating(self) -> bool:
         """(Lock held) Whether a slot of the rotation is still to be made: fewer than
         ``rotation`` exist, and the tier's room when :meth:`prepare` came (``room``, with
-        the free slots' bytes) holds one more of the size it gave."""
+        the free slots' bytes) holds one more of the size it gave, and what a save asks
+        beyond its slot (its admission removes the free slots where the tier has not that)."""
         if self._want is None or self._count >= self._rotation:
             return False
         total, entries = self._want
-        return (self._count + 1) * (max(self.room, _header_room(entries))
-                                    + round_up(total)) <= self._cap
+        size = max(self.room, _header_room(entries)) + round_up(total)
+        return (self._count + 1) * size + max(0, self._nbytes - size) <= self._cap
 
     def slot_bytes(self) -> int:
         """Bytes the largest slot takes on the tier."""
@@ -428,13 +430,17 @@ class SlotPool:
         with self._lock:
             return self._want is not None
 
-    def prepare(self, total: int, entries: int, wait: bool = False) -> None:
+    def prepare(self, total: int, entries: int, wait: bool = False, nbytes: int = 0) -> None:
         """Make the rotation's slots now; the pool's thread sizes each free slot for ``total``
         bytes of ``entries`` tensors and pins it, in the background (``wait``: the calling
-        thread helps, and returns once no free slot is left to ready)."""
+        thread helps, and returns once no free slot is left to ready). ``nbytes``: the bytes
+        a save of that state asks the tier for (``memory_save.state_bytes``: a page per
+        tensor, more than its slot where the state has many small ones); the rotation
+        leaves room for what they exceed a slot by."""
         room = self._room()  # not under the lock: it asks for free_bytes()
         with self._lock:
             self._want = (total, entries)
+            self._nbytes = nbytes
             self._cap = room + sum(s.nbytes for s in self._free)  # adopted slots' pages
             self._add_spares()
         self._thread.wake()

@@ -13,12 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import MARKS, Tiers, assert_state_equal, blank_like, mounted_tmpfs
 from helpers.fakes import FakeClock, HeldPinEngine
-from helpers.tiers import make_state, wait_until
+from helpers.tiers import make_state, slot_files, tier_files, wait_until
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.tiers.slots import NextSlot, SlotPool
+from dcp_datastates.format.align import round_up
+from dcp_datastates.tiers.manager import _snapshot_size
+from dcp_datastates.tiers.memory_save import SLACK_BYTES, state_bytes
+from dcp_datastates.tiers.slots import NextSlot, SlotPool, _header_room
 
 MiB = 1 << 20
 
@@ -199,3 +203,35 @@ def test_a_spare_the_limit_has_no_room_for_is_not_waited_for(tiers: Tiers,
         out = blank_like(states[2])
         assert manager.load(out) == 2
         assert_state_equal(out, states[2])
+
+
+def test_the_slots_prepare_makes_leave_room_for_what_a_save_asks_beyond_its_slot(
+        tiers: Tiers, engine: HeldPinEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """A state of many small tensors (an optimizer's step counters, biases) asks the tier for
+    more than its slot holds (each tensor counts a page; the slot packs them). Under a
+    ``memory_limit`` with room for the rotation's three slots but not for that excess as
+    well, prepare() makes the slots a save's admission leaves alone: the first save removes
+    none of them (it removed two, populated and pinned for nothing; no slot was made ahead
+    of the saves from then on)."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    state = {"big": torch.randint(0, 255, (4 * MiB,), dtype=torch.uint8),
+             "optim": {f"p{i}": {"step": torch.tensor(float(i)), "bias": torch.randn(200)}
+                       for i in range(300)}}
+    total, entries = _snapshot_size(state)
+    slot = _header_room(entries) + round_up(total)
+    assert state_bytes(state) > slot + MiB // 2  # what a save asks beyond its slot
+    with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                           engine=engine, memory_limit=3 * slot + SLACK_BYTES + MiB // 4
+                           ) as manager:
+        manager.prepare(state, wait=True)
+        made = len(slot_files(tiers.memory))
+        assert made >= 1
+        manager.save(1, state).result(timeout=10)
+        assert not any("had no room for a save" in r.getMessage() for r in caplog.records), [
+            r.getMessage() for r in caplog.records]
+        assert len(tier_files(tiers.memory)) == made
+        for step in (2, 3):
+            manager.save(step, state).result(timeout=10)
+        out = blank_like(state)
+        assert manager.load(out) == 3
+        assert_state_equal(out, state)
