@@ -203,8 +203,8 @@ class CheckpointManager:
             self._rollback = None
         budget, slots = self._budget, self._slots
         if slots is not None and self.engine.cuda is not None and not slots.prepared():
-            slots.prepare(*_snapshot_size(state), nbytes=state_bytes(plain(state)))  # no copy
-            # into a slot not pinned yet
+            # no copy into a slot not pinned yet
+            slots.prepare(*_snapshot_size(state), nbytes=state_bytes(plain(state)))
         slot = (slots.take(later=budget is None, spare=budget is None) if slots is not None
                 else None)
         if budget is not None:
