@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import MARKS, Tiers, assert_state_equal, blank_like, mounted_tmpfs
 from helpers.fakes import FakeClock, HeldPinEngine
-from helpers.tiers import make_state, slot_files, tier_files, wait_until
+from helpers.tiers import make_state, slot_files, steps_in, tier_files, wait_until
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.format.align import round_up
@@ -230,7 +230,9 @@ def test_the_slots_prepare_makes_leave_room_for_what_a_save_asks_beyond_its_slot
         assert not any("had no room for a save" in r.getMessage() for r in caplog.records), [
             r.getMessage() for r in caplog.records]
         assert len(tier_files(tiers.memory)) == made
-        for step in (2, 3):
+        for step in (2, 3):  # each once retention dropped the older step (keep_memory=1)
+            wait_until(lambda s=step: steps_in(tiers.memory) == [s - 1],
+                       f"retention before step {step}", 5)
             manager.save(step, state).result(timeout=10)
         out = blank_like(state)
         assert manager.load(out) == 3
