@@ -394,20 +394,21 @@ class SlotPool:
 
     def _add_spares(self) -> None:
         """(Lock held) Make slots until the rotation is made and :data:`SPARE` are free or
-        being readied, once :meth:`prepare` said how large (``limit`` allowing)."""
-        while (self._want is not None and self._count < self.limit
-               and (self._rotating()
+        being readied, once :meth:`prepare` said how large (``limit`` and the tier's room
+        allowing)."""
+        while (self._want is not None and self._count < self.limit and self._room_for_one()
+               and (self._count < self._rotation
                     or len(self._free) + len(self._readying) < self._spares)):
             self._free.append(Slot(self, next(self._names)))
             self._count += 1
 
-    def _rotating(self) -> bool:
-        """(Lock held) Whether a slot of the rotation is still to be made: fewer than
-        ``rotation`` exist, and the tier's room when :meth:`prepare` came (``room``, with
-        the free slots' bytes) holds one more of the size it gave, and what a save asks
-        beyond its slot (its admission removes the free slots where the tier has not that)."""
-        if self._want is None or self._count >= self._rotation:
-            return False
+    def _room_for_one(self) -> bool:
+        """(Lock held) Whether the tier's room when :meth:`prepare` came (``room``, with the
+        free slots' bytes) holds one slot more of the size it gave, and what a save asks
+        beyond its slot: a slot made ahead without it would fail for want of room on the
+        pool's thread (no slot is sized ahead from then on), or be removed by the next save's
+        admission. A save that finds no slot free still gets one made (:meth:`_take`)."""
+        assert self._want is not None  # asked once prepare() gave a size
         total, entries = self._want
         size = max(self.room, _header_room(entries)) + round_up(total)
         return (self._count + 1) * size + max(0, self._nbytes - size) <= self._cap

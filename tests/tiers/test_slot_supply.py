@@ -6,7 +6,6 @@ engine (``HeldPinEngine``); waits are bounded, never timed."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from helpers.tiers import make_state, slot_files, steps_in, tier_files, wait_unt
 
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.format.align import round_up
+from dcp_datastates.sizes import free_bytes
 from dcp_datastates.tiers.manager import _snapshot_size
 from dcp_datastates.tiers.memory_save import SLACK_BYTES, state_bytes
 from dcp_datastates.tiers.slots import NextSlot, SlotPool, _header_room
@@ -79,20 +79,17 @@ def small_tmpfs() -> Iterator[Path]:
         yield mnt
 
 
-def free_bytes(directory: Path) -> int:
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
 def test_a_slot_the_tier_has_no_room_for_holds_none_of_its_pages(
         small_tmpfs: Path, engine: HeldPinEngine, caplog: pytest.LogCaptureFixture) -> None:
-    """prepare() for a state larger than the tier: the pool's thread cannot size the slot.
+    """prepare() for a state larger than the tier (whose room others took once prepare()
+    saw it): the pool's thread cannot size the slot.
     The slot's file gives back the pages it got before the tier ran out (they filled the
     tier: a save in flight, another process's /dev/shm, failed with ENOSPC), the log says
     the tier had no room (not that pinning failed), and pinning goes on: a slot that a save
     sized is pinned once it is free (a full tier turned pinning off for the run)."""
     caplog.set_level(logging.WARNING, logger="dcp_datastates")
-    pool = SlotPool(engine, small_tmpfs, 3)
+    # the room prepare() sees: others' files fill the tier before the slot is sized
+    pool = SlotPool(engine, small_tmpfs, 3, room=lambda: 64 * MiB)
     try:
         pool.prepare(16 * MiB, 4, wait=True)
         assert free_bytes(small_tmpfs) > 7 * MiB, "the slot not made holds the tier's pages"
@@ -237,3 +234,32 @@ def test_the_slots_prepare_makes_leave_room_for_what_a_save_asks_beyond_its_slot
         out = blank_like(state)
         assert manager.load(out) == 3
         assert_state_equal(out, state)
+
+
+def test_no_slot_is_made_ahead_that_the_tier_has_no_room_for(
+        engine: HeldPinEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """A tmpfs with room for two and a half states (a container's small /dev/shm),
+    keep_memory=1: prepare() makes the two slots it has room for, not the rotation's three,
+    and no spare follows them (one made by the second save ran out of room on the pool's
+    thread, and no slot was made ahead for the rest of the run); the saves rotate through the
+    two and each loads exactly."""
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    states = {s: make_state(s, big=2 * MiB) for s in range(1, 5)}
+    total, entries = _snapshot_size(states[1])
+    slot = _header_room(entries) + round_up(total)
+    with mounted_tmpfs(f"{(2 * slot + slot // 2 + SLACK_BYTES) // 1024}k",
+                       "dcp_slots_room_") as mnt:
+        tier = mnt / "tier"
+        with CheckpointManager(memory_dir=tier, keep_memory=1, persist=None,
+                               engine=engine) as manager:
+            manager.prepare(states[1], wait=True)
+            assert len(slot_files(tier)) == 2
+            for step, state in states.items():  # each once retention dropped the older step
+                wait_until(lambda s=step: steps_in(tier) == [s - 1][:s - 1],
+                           f"retention before step {step}", 5)
+                manager.save(step, state).result(timeout=10)
+            out = blank_like(states[4])
+            assert manager.load(out) == 4
+            assert_state_equal(out, states[4])
+            assert len(tier_files(tier)) <= 2
+    assert not [r.getMessage() for r in caplog.records if "no room" in r.getMessage()]
