@@ -203,8 +203,7 @@ class CheckpointManager:
             self._rollback = None
         budget, slots = self._budget, self._slots
         if slots is not None and self.engine.cuda is not None and not slots.prepared():
-            # no copy into a slot not pinned yet
-            slots.prepare(*_snapshot_size(state), nbytes=state_bytes(plain(state)))
+            self._prepare_slots(state)  # no copy into a slot not pinned yet
         slot = (slots.take(later=budget is None, spare=budget is None) if slots is not None
                 else None)
         if budget is not None:
@@ -257,8 +256,13 @@ class CheckpointManager:
         sizes its slot itself."""
         self._check_open("nothing to prepare")
         if self._slots is not None:
-            self._slots.prepare(*_snapshot_size(state), wait=wait,
-                                nbytes=state_bytes(plain(state)))
+            self._prepare_slots(state, wait)
+
+    def _prepare_slots(self, state: dict, wait: bool = False) -> None:
+        """Size the slots for ``state`` (its state dicts taken once)."""
+        assert self._slots is not None  # a memory tier on tmpfs
+        flat = plain(state)
+        self._slots.prepare(*_snapshot_size(flat), wait=wait, nbytes=state_bytes(flat))
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for_staging(self) -> None:
@@ -413,10 +417,11 @@ def _memory_tier(memory_dir: str | os.PathLike | None, durable: Path | None,
     return memory
 
 
-def _snapshot_size(state: dict) -> tuple[int, int]:
-    """The bytes a snapshot of ``state`` takes, and its tensor count."""
+def _snapshot_size(flat: dict) -> tuple[int, int]:
+    """The bytes a snapshot of ``flat`` (a state with no ``Stateful`` values: ``plain``)
+    takes, and its tensor count."""
     sources: list[torch.Tensor] = []
-    walk(plain(state), sources, {}, {})
+    walk(flat, sources, {}, {})
     _offsets, total = layout(sources)
     return total, len(sources)
 

@@ -15,12 +15,12 @@ sizes and pins free slots in the background, one at a time, the one the next sav
 From :meth:`SlotPool.prepare` on, the pool makes the slots that saves committed before the
 next one comes (every N steps) rotate through, its ``rotation``: the kept steps, the one being
 written and the spare (``keep_memory + 2``), one after the other in the background while
-training starts, so that the first saves find theirs ready; then it keeps :data:`SPARE` free
-slot(s) sized and pinned ahead of the next save, up to its ``limit`` (one more than the
-rotation: while a step older than the kept ones is still being persisted, retention leaves
-it). Slots are sized as ``prepare()`` said, or as two saves in a row took (a state that grew
-since, e.g. by its optimizer's state, has its free slots sized again in the background); a
-slot a dropped step gives back is free again (slots made stay).
+training starts, so that saves find theirs ready as early as they can be; then it keeps
+:data:`SPARE` free slot(s) sized and pinned ahead of the next save, up to its ``limit`` (one
+more than the rotation: while a step older than the kept ones is still being persisted,
+retention leaves it). Slots are sized as ``prepare()`` said, or as two saves in a row took (a
+state that grew since, e.g. by its optimizer's state, has its free slots sized again in the
+background); a slot a dropped step gives back is free again (slots made stay).
 A save taken while no free slot is ready (every slot in use, the next one still being sized
 and pinned, or saves waiting for one) gets the next one to come free (:class:`NextSlot`), in
 save order: its snapshot waits aside meanwhile (on the GPU where it has room), and its move is
@@ -82,6 +82,12 @@ def _header_room(entries: int) -> int:
     return round_up(BASE_ROOM + ENTRY_BYTES * entries, ALIGN)
 
 
+def _slot_size(room: int, total: int, entries: int) -> int:
+    """Bytes a slot takes with at least ``room`` bytes of header room before ``total`` bytes
+    of data of ``entries`` tensors."""
+    return max(room, _header_room(entries)) + round_up(total)
+
+
 class Slot:
     """One slot file, its mapping, and where the file is now (its home or a step directory).
     A snapshot target (``snapshot.SnapshotTarget``) of memory-tier saves."""
@@ -112,7 +118,7 @@ class Slot:
 
     def size_for(self, total: int, entries: int) -> int:
         """Bytes the slot takes once :meth:`fit` for ``total`` bytes of ``entries`` tensors."""
-        return self._room_for(entries) + round_up(total)
+        return _slot_size(max(self.room, self.pool.room), total, entries)
 
     def sized_for(self, total: int, entries: int) -> bool:
         """Whether the slot is mapped as :meth:`fit` for ``total`` bytes of ``entries``
@@ -409,8 +415,7 @@ class SlotPool:
         pool's thread (no slot is sized ahead from then on), or be removed by the next save's
         admission. A save that finds no slot free still gets one made (:meth:`_take`)."""
         assert self._want is not None  # asked once prepare() gave a size
-        total, entries = self._want
-        size = max(self.room, _header_room(entries)) + round_up(total)
+        size = _slot_size(self.room, *self._want)
         return (self._count + 1) * size + max(0, self._nbytes - size) <= self._cap
 
     def slot_bytes(self) -> int:
