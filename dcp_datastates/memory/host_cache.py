@@ -69,11 +69,19 @@ def _map(addr: int | None, nbytes: int, flags: int, fd: int, offset: int, what: 
 
 
 def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
-    """Fault in the pages of a fresh mapping (and, for a file, allocate them: a tmpfs file
-    without room fails here, not with SIGBUS at a copy), one :data:`MAP_PIECE` per call, on up
-    to :data:`POPULATE_THREADS` threads. ``madvise(MADV_POPULATE_WRITE)`` keeps the bytes a
-    file holds; where the kernel lacks it, the file is allocated with ``posix_fallocate`` and
-    each piece mapped again over itself with ``MAP_POPULATE``."""
+    """Fault in the pages of a fresh mapping, one :data:`MAP_PIECE` per call, on up to
+    :data:`POPULATE_THREADS` threads. A file's pages are allocated first (``posix_fallocate``:
+    a tmpfs file without room fails here, not with SIGBUS at a copy): the kernel zeroes them
+    under the file's lock, not under the process's memory-map lock, which every other thread's
+    page fault and ``mmap`` (the training's CUDA calls) would wait for; faulting them in then
+    only maps them. ``madvise(MADV_POPULATE_WRITE)`` keeps the bytes a file holds; where the
+    kernel lacks it, each piece is mapped again over itself with ``MAP_POPULATE``."""
+    if fd >= 0:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot allocate {format_size(nbytes)} of host memory "
+                          f"for {what} on its file system: {exc.strerror}") from exc
     pieces = range(0, nbytes, MAP_PIECE)
     threads = max(1, min(POPULATE_THREADS, (os.cpu_count() or 1) // 2, len(pieces)))
 
@@ -89,8 +97,6 @@ def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
             errors = list(pool.map(advise, pieces))
     err = next((e for e in errors if e), 0)
     if err == errno.EINVAL:  # a kernel before 5.14
-        if fd >= 0:
-            os.posix_fallocate(fd, 0, nbytes)
         fixed = flags | _MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
         for offset in pieces:
             _map(addr + offset, min(MAP_PIECE, nbytes - offset), fixed, fd, offset, what)

@@ -3,6 +3,7 @@ leases, and the engine's sizing of its cache."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import threading
@@ -13,7 +14,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing
-from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tensor, run_script
+from helpers import (
+    MARKS,
+    assert_state_equal,
+    clone_state,
+    load_into,
+    mounted_tmpfs,
+    rand_tensor,
+    run_script,
+)
 
 from dcp_datastates import DataStatesWriter, parse_size
 from dcp_datastates.format.align import ALIGN
@@ -367,3 +376,24 @@ def test_an_arena_over_a_file_shorter_than_it_is_refused_naming_the_file(
         Arena(2 * ALIGN, "a file that ends inside its last page", fd=fd).free()
     finally:
         os.close(fd)
+
+
+def test_an_arena_over_a_file_without_room_fails_at_once_and_gives_its_pages_back() -> None:
+    """A memory-tier slot larger than its tmpfs's room fails when it is made (ENOSPC, naming
+    it), not with SIGBUS at a copy; the pages allocated until then go back to the tmpfs."""
+    with mounted_tmpfs("4m", "dcp_arena_room_") as mnt:
+        path = mnt / "slot"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, 8 * MiB)
+            free = os.statvfs(mnt).f_bavail
+            with pytest.raises(OSError, match="memory-tier slot") as raised:
+                Arena(8 * MiB, "memory-tier slot", fd=fd)
+            assert raised.value.errno == errno.ENOSPC
+            assert os.statvfs(mnt).f_bavail == free
+            os.ftruncate(fd, 2 * MiB)  # one that fits is made, its bytes zero
+            arena = Arena(2 * MiB, "memory-tier slot", fd=fd)
+            assert not arena.mapped().any()
+            arena.free()
+        finally:
+            os.close(fd)

@@ -254,8 +254,10 @@ def test_no_slot_is_made_ahead_that_the_tier_has_no_room_for(
                                engine=engine) as manager:
             manager.prepare(states[1], wait=True)
             assert len(slot_files(tier)) == 2
-            for step, state in states.items():  # each once retention dropped the older step
-                wait_until(lambda s=step: steps_in(tier) == [s - 1][:s - 1],
+            for step, state in states.items():  # each once retention dropped the older
+                # step and its slot is free again (a save before that gets a slot made)
+                wait_until(lambda s=step: steps_in(tier) == [s - 1][:s - 1]
+                           and len(slot_files(tier)) == (2 if s == 1 else 1),
                            f"retention before step {step}", 5)
                 manager.save(step, state).result(timeout=10)
             out = blank_like(states[4])
