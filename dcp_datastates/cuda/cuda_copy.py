@@ -87,12 +87,14 @@ def _check(result: tuple, what: str) -> tuple:
 
 
 class CudaCopier:
-    """One non-blocking CUDA stream per device, copies issued on them (with the checksums of
-    their sources, on request), and host pinning. ``sums``: the checksum kernels (tests
-    inject failing ones)."""
+    """A non-blocking CUDA stream per device and kind of copy, copies issued on them (with the
+    checksums of their sources, on request), and host pinning. A kind's copies queue only
+    behind their own kind's: a snapshot's copy aside (device to device, which the training's
+    next step waits for) does not wait for an earlier snapshot's move to host memory.
+    ``sums``: the checksum kernels (tests inject failing ones)."""
 
     def __init__(self, sums: GpuSums | None = None) -> None:
-        self._streams: dict[int, object] = {}
+        self._streams: dict[tuple[int, str], object] = {}  # (device, kind) -> stream
         self._lock = threading.Lock()
         self._batch_ok = True  # until the runtime refuses cudaMemcpyBatchAsync once
         self.sums = sums or GpuSums()
@@ -129,14 +131,15 @@ class CudaCopier:
         for result in errors:
             _check(result, "cudaHostUnregister")
 
-    def stream(self, device: int) -> object:
+    def stream(self, device: int, kind: str) -> object:
+        """The stream of ``device`` that copies of ``kind`` are issued on."""
         with self._lock:
-            if device not in self._streams:
+            if (device, kind) not in self._streams:
                 _check(cudart.cudaSetDevice(device), "cudaSetDevice")
                 (stream,) = _check(cudart.cudaStreamCreateWithFlags(
                     cudart.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
-                self._streams[device] = stream
-            return self._streams[device]
+                self._streams[device, kind] = stream
+            return self._streams[device, kind]
 
     def close(self) -> None:
         """Destroy the streams and the checksum kernels (no copy may be in flight)."""
@@ -192,7 +195,7 @@ class CudaCopier:
         pending = IssuedCopies()
         try:
             for device, batch in by_device.items():
-                stream = self.stream(device)
+                stream = self.stream(device, kind)
                 _check(cudart.cudaSetDevice(device), "cudaSetDevice")
                 if after and device in after:
                     _check(cudart.cudaStreamWaitEvent(stream, after[device], 0),

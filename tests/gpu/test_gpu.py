@@ -280,3 +280,26 @@ def test_manager_snapshots_every_step_into_pinned_slots(tmp_path, engine_of) -> 
             "step_5", "step_6"]
     finally:
         shutil.rmtree(memory, ignore_errors=True)
+
+
+def test_a_copy_aside_does_not_queue_behind_a_move_to_host_memory() -> None:
+    """A snapshot's copy aside (device to device: the training's next step waits for it) is
+    done while an earlier snapshot's move to host memory (2 GiB) is still running, and both
+    bring their bytes."""
+    copier = cuda_copy.CudaCopier()
+    try:
+        big = torch.randint(0, 256, (2 << 30,), dtype=torch.uint8, device="cuda")
+        host = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=True)
+        small = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+        aside = torch.empty_like(small)
+        torch.cuda.synchronize()
+        move = copier.issue([(0, host.data_ptr(), big.data_ptr(), big.numel())], "d2h")
+        copier.copy([(0, aside.data_ptr(), small.data_ptr(), small.numel())], "d2d")
+        (_, _, moved), = move.spans
+        running = cuda_copy.cudart.cudaEventQuery(moved)[0]
+        move.wait()
+        assert running == cuda_copy.cudart.cudaError_t.cudaErrorNotReady
+        assert torch.equal(aside, small)
+        assert torch.equal(host[::4096], big[::4096].cpu())
+    finally:
+        copier.close()
