@@ -38,6 +38,11 @@ Copy = tuple[int, int, int, int]
 #: The copy kinds of :meth:`CudaCopier.copy`.
 _KINDS = {"d2h": "cudaMemcpyDeviceToHost", "h2d": "cudaMemcpyHostToDevice",
           "d2d": "cudaMemcpyDeviceToDevice"}
+#: The kinds of copy already queued on a device whose end a new copy of a kind waits for (on
+#: the GPU): a load's copy to the device (which overwrites tensors) waits for every copy that
+#: may still read them, a save's for a load's; only a copy aside (device to device) skips the
+#: moves to host memory queued before it (both just read their sources).
+_AFTER = {"h2d": ("d2h", "d2d"), "d2h": ("h2d", "d2d"), "d2d": ("h2d",)}
 
 
 def available() -> bool:
@@ -88,9 +93,10 @@ def _check(result: tuple, what: str) -> tuple:
 
 class CudaCopier:
     """A non-blocking CUDA stream per device and kind of copy, copies issued on them (with the
-    checksums of their sources, on request), and host pinning. A kind's copies queue only
-    behind their own kind's: a snapshot's copy aside (device to device, which the training's
-    next step waits for) does not wait for an earlier snapshot's move to host memory.
+    checksums of their sources, on request), and host pinning. A snapshot's copy aside (device
+    to device, which the training's next step waits for) does not wait for an earlier
+    snapshot's move to host memory; every other copy waits on the GPU for the copies of the
+    other kinds issued before it (``_AFTER``: a load into tensors a save still reads).
     ``sums``: the checksum kernels (tests inject failing ones)."""
 
     def __init__(self, sums: GpuSums | None = None) -> None:
@@ -140,6 +146,22 @@ class CudaCopier:
                     cudart.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
                 self._streams[device, kind] = stream
             return self._streams[device, kind]
+
+    def _after_other_kinds(self, device: int, kind: str, stream: object) -> None:
+        """Make ``stream`` wait (on the GPU) for the copies queued so far on ``device``'s
+        streams of the kinds in ``_AFTER[kind]``: one stream per device once kept every kind
+        in issue order, and a load into tensors that a save still copies relies on that."""
+        with self._lock:
+            others = [self._streams[device, k] for k in _AFTER[kind]
+                      if (device, k) in self._streams]
+        for other in others:
+            (event,) = _check(cudart.cudaEventCreateWithFlags(
+                cudart.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+            try:
+                _check(cudart.cudaEventRecord(event, other), "cudaEventRecord")
+                _check(cudart.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+            finally:
+                cudart.cudaEventDestroy(event)  # released once the GPU has passed it
 
     def close(self) -> None:
         """Destroy the streams and the checksum kernels (no copy may be in flight)."""
@@ -200,6 +222,7 @@ class CudaCopier:
                 if after and device in after:
                     _check(cudart.cudaStreamWaitEvent(stream, after[device], 0),
                            "cudaStreamWaitEvent")
+                self._after_other_kinds(device, kind, stream)
                 pending.spans.append((stream, _event(stream), None))
                 hashes = (self._hash(copies, checksums, device, pending)
                           if checksums is not None and device in hashed else None)

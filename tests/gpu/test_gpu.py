@@ -303,3 +303,26 @@ def test_a_copy_aside_does_not_queue_behind_a_move_to_host_memory() -> None:
         assert torch.equal(host[::4096], big[::4096].cpu())
     finally:
         copier.close()
+
+
+def test_a_load_to_the_gpu_waits_for_a_move_to_host_memory_of_its_tensor() -> None:
+    """A load's copy into a tensor (host to device) issued while an earlier save's move of that
+    tensor to host memory (2 GiB) still runs waits for the move on the GPU: the save keeps the
+    bytes the tensor had, the tensor gets the loaded ones. The load writes the tensor's last
+    256 MiB, which the move reads last (without the wait, those bytes of the save were the
+    loaded ones: H100, per-kind streams)."""
+    copier = cuda_copy.CudaCopier()
+    try:
+        big = torch.randint(0, 256, (2 << 30,), dtype=torch.uint8, device="cuda")
+        before = big[::4096].cpu()
+        host = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=True)
+        tail = 256 << 20
+        loaded = torch.full((tail,), 7, dtype=torch.uint8, pin_memory=True)
+        torch.cuda.synchronize()
+        move = copier.issue([(0, host.data_ptr(), big.data_ptr(), big.numel())], "d2h")
+        copier.copy([(0, big.data_ptr() + big.numel() - tail, loaded.data_ptr(), tail)], "h2d")
+        move.wait()
+        assert torch.equal(host[::4096], before)
+        assert bool((big[-tail:] == 7).all())
+    finally:
+        copier.close()
