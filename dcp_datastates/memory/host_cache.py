@@ -30,9 +30,11 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10  # Linux; not in Python's mmap module
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python 3.11's mmap module
+_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 
 
 MAP_PIECE = 16 << 20
@@ -70,19 +72,15 @@ def _map(addr: int | None, nbytes: int, flags: int, fd: int, offset: int, what: 
 
 def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
     """Fault in the pages of a fresh mapping, one :data:`MAP_PIECE` per call, on up to
-    :data:`POPULATE_THREADS` threads. A file's pages are allocated first (``posix_fallocate``:
+    :data:`POPULATE_THREADS` threads. A file's pages are allocated first (:func:`_allocate`:
     a tmpfs file without room fails here, not with SIGBUS at a copy): the kernel zeroes them
     under the file's lock, not under the process's memory-map lock, which every other thread's
     page fault and ``mmap`` (the training's CUDA calls) would wait for; faulting them in then
     only maps them. ``madvise(MADV_POPULATE_WRITE)`` keeps the bytes a file holds; where the
     kernel lacks it, each piece is mapped again over itself with ``MAP_POPULATE``."""
-    if fd >= 0:
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot allocate {format_size(nbytes)} of host memory "
-                          f"for {what} on its file system: {exc.strerror}") from exc
     pieces = range(0, nbytes, MAP_PIECE)
+    if fd >= 0:
+        _allocate(fd, nbytes, pieces, what)
     threads = max(1, min(POPULATE_THREADS, (os.cpu_count() or 1) // 2, len(pieces)))
 
     def advise(offset: int) -> int:
@@ -105,6 +103,24 @@ def _populate(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
         raise OSError(errno.ENOSPC if fd >= 0 else err,
                       f"cannot populate {format_size(nbytes)} of host memory for {what}: "
                       f"{room} ({os.strerror(err)})")
+
+
+def _allocate(fd: int, nbytes: int, pieces: range, what: str) -> None:
+    """Allocate the first ``nbytes`` of file ``fd``, one piece per ``posix_fallocate`` call:
+    older kernels stop a tmpfs allocation at any signal and undo it, and one call for
+    gigabytes, retried, could start over at every tick of a profiler's timer. On failure, the
+    pages allocated here go back where the file had none before (a new slot's file)."""
+    fresh = os.fstat(fd).st_blocks == 0
+    done = 0
+    try:
+        for offset in pieces:
+            os.posix_fallocate(fd, offset, min(MAP_PIECE, nbytes - offset))
+            done = offset + MAP_PIECE
+    except OSError as exc:
+        if fresh and done:
+            _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, 0, done)
+        raise OSError(exc.errno, f"cannot allocate {format_size(nbytes)} of host memory for "
+                      f"{what} on its file system: {exc.strerror}") from exc
 
 
 #: CPU tensors smaller than this are copied with one ``memmove`` (less overhead than torch): by

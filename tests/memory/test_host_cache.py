@@ -27,7 +27,7 @@ from helpers import (
 from dcp_datastates import DataStatesWriter, parse_size
 from dcp_datastates.format.align import ALIGN
 from dcp_datastates.format.data_file import LARGE_ITEM_BYTES
-from dcp_datastates.memory.host_cache import Arena, Lease, Pool
+from dcp_datastates.memory.host_cache import MAP_PIECE, Arena, Lease, Pool
 from dcp_datastates.sizes import format_size
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -380,17 +380,23 @@ def test_an_arena_over_a_file_shorter_than_it_is_refused_naming_the_file(
 
 def test_an_arena_over_a_file_without_room_fails_at_once_and_gives_its_pages_back() -> None:
     """A memory-tier slot larger than its tmpfs's room fails when it is made (ENOSPC, naming
-    it), not with SIGBUS at a copy; the pages allocated until then go back to the tmpfs."""
-    with mounted_tmpfs("4m", "dcp_arena_room_") as mnt:
+    it), not with SIGBUS at a copy; the pages allocated until then (pieces of it) go back to
+    the tmpfs."""
+    with mounted_tmpfs("40m", "dcp_arena_room_") as mnt:
         path = mnt / "slot"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            os.ftruncate(fd, 8 * MiB)
+            os.ftruncate(fd, 4 * MAP_PIECE)
             free = os.statvfs(mnt).f_bavail
             with pytest.raises(OSError, match="memory-tier slot") as raised:
-                Arena(8 * MiB, "memory-tier slot", fd=fd)
+                Arena(4 * MAP_PIECE, "memory-tier slot", fd=fd)
             assert raised.value.errno == errno.ENOSPC
             assert os.statvfs(mnt).f_bavail == free
+            os.pwrite(fd, b"kept", MAP_PIECE + 8)  # a file that holds bytes (adopted) ...
+            with pytest.raises(OSError, match="memory-tier slot"):
+                Arena(4 * MAP_PIECE, "memory-tier slot", fd=fd)
+            assert os.pread(fd, 4, MAP_PIECE + 8) == b"kept"  # ... keeps them
+            os.ftruncate(fd, 0)
             os.ftruncate(fd, 2 * MiB)  # one that fits is made, its bytes zero
             arena = Arena(2 * MiB, "memory-tier slot", fd=fd)
             assert not arena.mapped().any()
