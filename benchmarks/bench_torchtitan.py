@@ -152,11 +152,18 @@ def timed(name: str, spec: Spec, root: Path) -> tuple[dict, Outcome]:
     else:
         row.update({k: out.summary.get(k) for k in (
             "mean_step_s", "median_step_s", "max_step_s", "steps_timed", "checkpoints_taken",
-            "checkpoints_skipped", "checkpoints_persisted")})
+            "checkpoints_skipped", "checkpoints_persisted", "step_times_s")})
         log(f"{name}: median step {row['median_step_s']:.4f} s, mean {row['mean_step_s']:.4f} s,"
             f" max {row['max_step_s']:.4f} s; taken {row['checkpoints_taken']}, persisted "
-            f"{row['checkpoints_persisted']}")
+            f"{row['checkpoints_persisted']}; slowest steps {slowest(out.summary)}")
     return row, out
+
+
+def slowest(summary: dict, n: int = 3) -> str:
+    """The ``n`` slowest steps of a run's summary, as ``step: seconds``."""
+    first, times = summary.get("first_step"), summary.get("step_times_s") or []
+    ranked = sorted(enumerate(times, start=(first or 0) + 1), key=lambda t: -t[1])[:n]
+    return ", ".join(f"{step}: {t:.3f} s" for step, t in ranked)
 
 
 def tables(res: dict) -> list[Table]:
