@@ -10,10 +10,8 @@ back to the slot directory, free for a later save. A slot whose file is gone (a 
 removed it) is unmapped and forgotten.
 
 Making a slot (populating its pages and pinning them: seconds for a few GiB) never delays a
-save's call or the training: the pool's threads (:mod:`~dcp_datastates.workers.background`)
-size free slots in the background, :data:`READIERS` at once (each its own file, whose pages
-the kernel zeroes on a core of its own), the one the next save needs first, and pin them one
-at a time (the CUDA driver pins one range at a time).
+save's call or the training: the pool's thread (:mod:`~dcp_datastates.workers.background`)
+sizes and pins free slots in the background, one at a time, the one the next save needs first.
 From :meth:`SlotPool.prepare` on, the pool makes the slots that saves committed before the
 next one comes (every N steps) rotate through, its ``rotation``: the kept steps, the one being
 written and the spare (``keep_memory + 2``), one after the other in the background while
@@ -31,7 +29,7 @@ thread waits for the slot instead, or for room: an earlier snapshot aside moving
 goes into a slot not pinned yet: a copy into pageable memory holds the CUDA driver, and the
 training's next CUDA call waits for all of it (so does it, less, while two slots are made at
 once); once pinning has failed, saves take unpinned slots, and once the tier had no room for a
-slot the pool's threads sized (its pages go back to the tier), saves size their slots
+slot the pool's thread sized (its pages go back to the tier), saves size their slots
 themselves (the thread still pins them once they are free).
 
 Slot files live in ``<memory_dir>/.slots.<pid>.<token>``, one directory per pool. The pool's
@@ -74,8 +72,6 @@ SLOT_DIR_PREFIX = ".slots."
 #: Free slots the pool keeps sized and pinned ahead of the next save once the rotation is
 #: made (``prepare()`` makes the rotation's slots, as many as the tier has room for).
 SPARE = 1
-#: Threads of a pool that ready its free slots: each sizes one, and they take turns to pin.
-READIERS = 2
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (an entry, its alignment
 #: pad's and its share of the bytes items'; a header that outgrows it raises the pool's room).
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 1024
@@ -103,7 +99,7 @@ class Slot:
         self.room = 0  # the data starts here
         self.arena: Arena | None = None
         self.fd = -1  # the file is made by the first fit(), or adopted (a dead process's)
-        self.pinned = False  # by the pool's threads (or nothing to pin: no GPU)
+        self.pinned = False  # by the pool's thread (or nothing to pin: no GPU)
 
     def __str__(self) -> str:
         return f"memory-tier slot {self.home}"
@@ -111,7 +107,7 @@ class Slot:
     @property
     def nbytes(self) -> int:
         """Bytes the slot takes on the tier (0 if it is being closed meanwhile: other threads
-        ask, e.g. :meth:`SlotPool.slot_bytes` while the pool's threads size it)."""
+        ask, e.g. :meth:`SlotPool.slot_bytes` while the pool's thread sizes it)."""
         arena, fd = self.arena, self.fd
         if arena is not None:
             return arena.nbytes
@@ -244,8 +240,8 @@ class NextSlot:
 class SlotPool:
     """A memory tier's slots: ``limit`` at most, free or holding a step's data file, made
     from :meth:`prepare` on (``rotation`` of them, then :data:`SPARE` ahead of the saves);
-    free ones are sized (after :meth:`prepare`) by :data:`READIERS` threads of the pool's at
-    once, and pinned one at a time."""
+    free ones are sized (after :meth:`prepare`) and pinned by a thread of the pool's, one at
+    a time."""
 
     def __init__(self, engine: FileMapper, memory: Path, limit: int,
                  rotation: int = SPARE, room: Callable[[], int] | None = None) -> None:
@@ -267,25 +263,17 @@ class SlotPool:
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._readied = threading.Condition(self._lock)  # a slot left _readying
-        self._pinning = False  # a thread of the pool's pins a slot (one at a time)
-        self._turn = threading.Condition(self._lock)  # the pinning is over, or the pool closed
         self._waiting: list[NextSlot] = []  # saves waiting for a slot, in save order
         self._warned = self._failed = self._closed = False
-        self._sizing = True  # the pool's threads size free slots (False once the tier had no room)
+        self._sizing = True  # the pool's thread sizes free slots (False once the tier had no room)
         self._spares = SPARE  # 0 once the tier had no room for them (release_free)
         self._doomed: set[Slot] = set()  # being readied, to be removed then (release_free)
         self.directory.mkdir(parents=True)
         self._adopt_dead_pools(memory)
-        self._threads = [Background(self._ready_one, f"dcp_datastates-slots-{i}")
-                         for i in range(READIERS)]
-
-    def _wake(self) -> None:
-        """Have the pool's threads ready the free slots that need it."""
-        for thread in self._threads:
-            thread.wake()
+        self._thread = Background(self._ready_one, "dcp_datastates-pin")
 
     def readying(self) -> bool:
-        """Whether the pool's threads still have free slots to size or pin (the tier is being
+        """Whether the pool's thread still has free slots to size or pin (the tier is being
         set up: the loop runs slower meanwhile, a save in flight or not)."""
         with self._lock:
             return bool(self._readying) or (
@@ -293,7 +281,7 @@ class SlotPool:
                 and any(self._to_ready(s) for s in self._free))
 
     def _to_ready(self, slot: Slot) -> bool:
-        """(Lock held) Whether the pool's threads are to size and pin ``slot`` (a free one):
+        """(Lock held) Whether the pool's thread is to size and pin ``slot`` (a free one):
         one not pinned, or not sized as the saves' state now is."""
         if self._want is not None and self._sizing:
             return not slot.pinned or not slot.sized_for(*self._want)
@@ -311,7 +299,7 @@ class SlotPool:
             if self._want is None or self._want == size or last != size:
                 return
             self._want = size
-        self._wake()
+        self._thread.wake()
 
     def take(self, later: bool = False, spare: bool = True) -> Slot | NextSlot | None:
         """A free slot, pinned ones first, then ones with a file (made if fewer than ``limit``
@@ -327,7 +315,7 @@ class SlotPool:
                 in_use = self._count >= self.limit and not self._free and not self._readying
                 warn = in_use and not self._warned
                 self._warned = self._warned or in_use
-        self._wake()  # to ready the spare it made, or the slot on its way
+        self._thread.wake()  # to ready the spare it made, or the slot on its way
         if slot is not None:
             return slot
         if not later:
@@ -369,7 +357,7 @@ class SlotPool:
             for waiting, _ in due:
                 self._waiting.remove(waiting)
         if due or short:
-            self._wake()  # to ready the spares their slots made, or the slot on its way
+            self._thread.wake()  # to ready the spares their slots made, or the slot on its way
         for _, queue in due:
             assert queue is not None  # due holds saves with a queue
             queue()
@@ -377,9 +365,9 @@ class SlotPool:
     def _take(self, spare: bool = True) -> Slot | None:
         """(Lock held) A free slot that is ready (pinned, sized as the saves' state is: see
         :meth:`saw`). Where none is, None, and a slot is on its way: one being readied, a free
-        one to ready, or a new one (``limit`` allowing) that the pool's threads size and pin,
-        pinned one at a time (two at once, or a save's copy into memory not pinned yet, stall
-        the training's CUDA calls). Before :meth:`prepare` gave a size, once pinning failed, or
+        one to ready, or a new one (``limit`` allowing) that the pool's thread sizes and pins,
+        one at a time (two at once, or a save's copy into memory not pinned yet, stall the
+        training's CUDA calls). Before :meth:`prepare` gave a size, once pinning failed, or
         once the tier had no room for a slot the thread sized: any free slot, else a new one
         (sized by the save). Then (``spare``) a spare is made in its place (readied once the
         caller wakes the thread)."""
@@ -408,7 +396,7 @@ class SlotPool:
         """A save taken with ``take(spare=False)`` goes ahead: make the spare(s) it left out."""
         with self._lock:
             self._add_spares()
-        self._wake()
+        self._thread.wake()
 
     def _add_spares(self) -> None:
         """(Lock held) Make slots until the rotation is made and :data:`SPARE` are free or
@@ -424,7 +412,7 @@ class SlotPool:
         """(Lock held) Whether the tier's room when :meth:`prepare` came (``room``, with the
         free slots' bytes) holds one slot more of the size it gave, and what a save asks
         beyond its slot: a slot made ahead without it would fail for want of room on the
-        pool's threads (no slot is sized ahead from then on), or be removed by the next save's
+        pool's thread (no slot is sized ahead from then on), or be removed by the next save's
         admission. A save that finds no slot free still gets one made (:meth:`_take`)."""
         assert self._want is not None  # asked once prepare() gave a size
         size = _slot_size(self.room, *self._want)
@@ -441,7 +429,7 @@ class SlotPool:
         sized with that room from now on (the free ones again, in the background)."""
         with self._lock:
             self.room = max(self.room, round_up(header_len, ALIGN))
-        self._wake()
+        self._thread.wake()
 
     def prepared(self) -> bool:
         """Whether :meth:`prepare` gave the slots a size."""
@@ -449,7 +437,7 @@ class SlotPool:
             return self._want is not None
 
     def prepare(self, total: int, entries: int, wait: bool = False, nbytes: int = 0) -> None:
-        """Make the rotation's slots now; the pool's threads size each free slot for ``total``
+        """Make the rotation's slots now; the pool's thread sizes each free slot for ``total``
         bytes of ``entries`` tensors and pins it, in the background (``wait``: the calling
         thread helps, and returns once no free slot is left to ready). ``nbytes``: the bytes
         a save of that state asks the tier for (``memory_save.state_bytes``: a page per
@@ -461,7 +449,7 @@ class SlotPool:
             self._nbytes = nbytes
             self._cap = room + sum(s.nbytes for s in self._free)  # adopted slots' pages
             self._add_spares()
-        self._wake()
+        self._thread.wake()
         if wait:
             while self._ready_one():
                 pass
@@ -469,7 +457,7 @@ class SlotPool:
                 self._readied.wait_for(lambda: not self._readying)
 
     def _ready_one(self) -> bool:
-        """On a thread of the pool's: size (as :meth:`prepare` said) and pin one free slot; False
+        """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
         when none needs it."""
         with self._lock:
             slot = None if self._failed or self._closed else next(
@@ -483,7 +471,7 @@ class SlotPool:
             start = time.perf_counter()
             if want is not None and not slot.sized_for(*want):
                 slot.fit(*want)
-            sized = time.perf_counter() - start
+            sized = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - no room on the tier (ENOSPC): no caller
             log.warning("dcp_datastates: %s not made (%s): the memory tier has no room for "
                         "a slot ahead of the saves; none is made from now on, a save sizes "
@@ -491,7 +479,7 @@ class SlotPool:
             with self._lock:
                 self._sizing, self._spares = False, 0
         else:
-            self._pin(slot, sized)
+            self._pin(slot, start, sized)
         finally:
             with self._lock:
                 self._readying.remove(slot)
@@ -507,30 +495,19 @@ class SlotPool:
             self._serve()
         return True
 
-    def _pin(self, slot: Slot, sized: float) -> None:
-        """Pin ``slot`` (sized in ``sized`` seconds) once no other slot is being pinned;
-        not once the pool closed or a pin failed (then no more are)."""
-        with self._lock:
-            self._turn.wait_for(lambda: not self._pinning or self._closed)
-            if self._closed or self._failed:
-                return
-            self._pinning = True
-        start = time.perf_counter()
+    def _pin(self, slot: Slot, start: float, sized: float) -> None:
+        """Pin ``slot`` (sized from ``start`` to ``sized``); once that fails, no more."""
         try:
             if slot.arena is None:
                 raise RuntimeError("the slot is not mapped")
             self.engine.pin_file(slot.arena)
             slot.pinned = True
             log.info("dcp_datastates: %s ready: sized in %.2f s, pinned in %.2f s", slot,
-                     sized, time.perf_counter() - start)
+                     sized - start, time.perf_counter() - sized)
         except Exception as exc:  # noqa: BLE001 - no caller: saves go on, unpinned
             log.warning("dcp_datastates: %s not pinned (%s); no more slots are pinned: "
                         "snapshots into them are copied at pageable speed", slot, exc)
             self._failed = True
-        finally:
-            with self._lock:
-                self._pinning = False
-                self._turn.notify_all()
 
     def free_bytes(self) -> int:
         """Bytes that free slots take on the tier (a save can reuse them), those the pool's
@@ -560,7 +537,7 @@ class SlotPool:
 
     def release_free(self) -> int:
         """A save does not fit on the tier: remove the free slots that no waiting save is
-        to get (one being readied once the pool's threads are done with it: the save does not
+        to get (one being readied once the pool's thread is done with it: the save does not
         wait, and no longer counts it), and make no more spares; return how many go."""
         with self._lock:
             self._spares = self._rotation = 0
@@ -571,7 +548,7 @@ class SlotPool:
             self._free = [s for s in self._free if s not in slots]
             kept = bool(self._free)
         if kept:
-            self._wake()  # to ready the free slots kept for waiting saves
+            self._thread.wake()  # to ready the free slots kept for waiting saves
         for slot in slots:
             self._forget(slot)
         if slots or doomed:
@@ -619,7 +596,7 @@ class SlotPool:
             self._forget(slot)
             return
         if not slot.pinned:
-            self._wake()
+            self._thread.wake()
         self._serve()
 
     def reclaim(self, directory: Path) -> None:
@@ -638,7 +615,7 @@ class SlotPool:
         with self._lock:
             self._free.append(slot)
         if not slot.pinned:
-            self._wake()
+            self._thread.wake()
         self._serve()
 
     def discard(self, directory: Path) -> None:
@@ -658,14 +635,12 @@ class SlotPool:
         self._serve()  # one more slot may be made
 
     def close(self) -> None:
-        """Stop the pool's threads; unmap every slot; remove the free ones (held ones are
+        """Stop the pool's thread; unmap every slot; remove the free ones (held ones are
         steps' data files)."""
         with self._lock:
             self._closed = True  # a slot being readied now is forgotten by its reader
-            self._turn.notify_all()  # one waiting to be pinned is not
         self._serve()  # the saves waiting for a slot go to the engine's host cache
-        for thread in self._threads:
-            thread.close()
+        self._thread.close()
         with self._lock:
             slots = [*self._free, *self._held.values()]
             self._free, self._held = [], {}

@@ -3,9 +3,8 @@
 :class:`Background` runs the step function on its thread, started at the first
 :meth:`~Background.wake`, until the function has nothing left to do; a later wake runs it
 again. :meth:`~Background.close` stops it after the step in progress and joins it. The memory
-tier's slot pool (``tiers/slots.py``) readies its free slots with a few (each sizes one, and
-they take turns to pin), so that neither ``prepare()`` nor a save waits for
-``cudaHostRegister`` (slow for a large slot).
+tier's slot pool (``tiers/slots.py``) readies its free slots with one (sizes and pins them), so
+that neither ``prepare()`` nor a save waits for ``cudaHostRegister`` (slow for a large slot).
 """
 
 from __future__ import annotations

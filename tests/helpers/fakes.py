@@ -190,27 +190,16 @@ class HeldPinEngine(Engine):
     """An engine whose ``pin_file`` (the pinning of memory-tier slots, on the slot pool's
     thread) waits until ``gate`` is set, after the first ``free_pins``; ``pinning`` is set
     once a pin waits, ``fail`` makes the pins raise instead. ``pinned`` counts the pins
-    done, ``most_at_once`` the most pins in progress at once."""
+    done."""
 
     def __init__(self, free_pins: int = 0, **kw: object) -> None:
         super().__init__(**kw)
         self.gate, self.pinning = threading.Event(), threading.Event()
         self.fail = False
-        self.pinned = self.most_at_once = self._at_once = 0
+        self.pinned = 0
         self.free_pins = free_pins
-        self._count = threading.Lock()
 
     def pin_file(self, arena: object) -> None:
-        with self._count:
-            self._at_once += 1
-            self.most_at_once = max(self.most_at_once, self._at_once)
-        try:
-            self._pin(arena)
-        finally:
-            with self._count:
-                self._at_once -= 1
-
-    def _pin(self, arena: object) -> None:
         if self.pinned < self.free_pins:
             super().pin_file(arena)
             self.pinned += 1

@@ -72,31 +72,6 @@ def test_a_slot_lost_while_a_save_waits_is_made_again(memory: Path,
         pool.close()
 
 
-def test_the_next_slot_is_sized_while_one_is_pinned_and_pins_take_turns(
-        memory: Path, engine: HeldPinEngine) -> None:
-    """prepare() of a rotation of three: while the first slot's pinning is held, the pool's
-    threads size the next slot (its pages allocated: a large slot takes seconds to size, and
-    slots made one after the other fell behind a save every few steps), and no other slot is
-    pinned until that pin is over."""
-    engine.gate.clear()
-    pool = SlotPool(engine, memory, 3, rotation=3)
-    try:
-        pool.prepare(4 * MiB, 4)
-        assert engine.pinning.wait(30), "no slot was pinned"
-
-        def sized() -> int:
-            return sum(p.stat().st_blocks * 512 >= 4 * MiB for p in slot_files(memory))
-        wait_until(lambda: sized() >= 2, "a second slot sized while the first is pinned")
-        time.sleep(0.2)  # room for a second pin to start (it must not)
-        engine.gate.set()
-        wait_until(lambda: engine.pinned == 3 and not pool.readying(), "the rotation pinned")
-        assert engine.most_at_once == 1
-        assert sized() == 3
-    finally:
-        engine.gate.set()
-        pool.close()
-
-
 @pytest.fixture
 def small_tmpfs() -> Iterator[Path]:
     """An 8 MiB tmpfs (root only; skipped where mounting is not permitted)."""

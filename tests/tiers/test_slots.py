@@ -36,7 +36,6 @@ from helpers.tiers import HoldWrites, make_state, slot_files, steps_in, tier_fil
 from dcp_datastates import CheckpointManager, Engine
 from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.memory.aside import stash
-from dcp_datastates.memory.host_cache import Arena
 from dcp_datastates.tiers.slots import NextSlot, Slot, SlotPool
 
 MiB = 1 << 20
@@ -390,30 +389,22 @@ def test_a_header_that_outgrows_the_slots_room_gives_every_slot_the_room(
 # -- a close during prepare, and the slot directories of dead processes ----------------------------
 class HelperHeldEngine(Engine):
     """An engine whose ``pin_file`` holds a thread that is not the slot pool's own (the caller
-    of ``prepare(wait=True)``, helping) until ``release`` is set; the pool's threads size
-    their slots only once the helper pins (so each has a slot of its own), then wait for
-    their turn to pin."""
+    of ``prepare(wait=True)``, helping) until ``release`` is set; the pool's thread waits only
+    until the helper pins (so each has a slot of its own)."""
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)
         self.helping, self.release = threading.Event(), threading.Event()
 
-    def map_file(self, fd: int, nbytes: int, name: str, *, pin: bool = True) -> Arena:
-        if _pools_own() and not self.helping.wait(TIMEOUT):
-            raise RuntimeError("the helper never pinned")
-        return super().map_file(fd, nbytes, name, pin=pin)
-
     def pin_file(self, arena: object) -> None:
-        if not _pools_own():
+        if threading.current_thread().name.startswith("dcp_datastates-pin"):
+            if not self.helping.wait(TIMEOUT):
+                raise RuntimeError("the helper never pinned")
+        else:
             self.helping.set()
             if not self.release.wait(TIMEOUT):
                 raise RuntimeError("the test never released the helper")
         super().pin_file(arena)
-
-
-def _pools_own() -> bool:
-    """Whether the calling thread is one of a slot pool's own."""
-    return threading.current_thread().name.startswith("dcp_datastates-slots")
 
 
 def _fds_under(directory: Path) -> list[str]:
