@@ -41,6 +41,7 @@ TABLES = {
     "bench_torchtitan_h100": ("torchtitan llama3", "Resume after SIGKILL"),
     "bench_torchtitan_2xh100": ("Resume after SIGKILL",),
     "bench_torchtitan_2xh100_enable": ("torchtitan llama3", "Resume after SIGKILL"),
+    "bench_torchtitan_h200": ("torchtitan llama3", "Resume after SIGKILL"),
     "bench_training_h100": ("GPT",),
 }
 
