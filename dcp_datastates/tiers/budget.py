@@ -34,7 +34,11 @@ guard's waits for its snapshot are charged as always.
 A save is skipped at once (nothing staged, nothing written) when the account cannot pay for it,
 when the previous save's snapshot is still copying (taking it would make the guard wait on the
 CPU; copies issued on the GPU do not count: the training's next work queues behind them), or
-when no memory-tier slot is free (it would be copied into the tier, seconds of work). Under
+when no memory-tier slot is free (it would be copied into the tier, seconds of work). While the
+tier's slots are being made, a save that finds none ready is taken all the same where its GPU
+has room to keep its snapshot aside, one save at a time: it waits there for the slot on its
+way (so a new or restarted job is protected from its first save, not once a slot is made;
+a copy aside into pageable memory would hold the CUDA driver, so none is made). Under
 ``torch.distributed`` the ranks take the same decision for every step (a step saved on some
 ranks only could never be restored): one all-reduce (MAX) per save on the manager's gloo group.
 """
@@ -49,7 +53,7 @@ from collections.abc import Callable
 
 from .handles import SaveFigures, SaveHandle, skipped_handle
 from .ranks import Ranks
-from .slots import Slot, SlotPool
+from .slots import NextSlot, Slot, SlotPool
 
 log = logging.getLogger("dcp_datastates")
 
@@ -232,11 +236,12 @@ class Budget:
         self._call = 0.0  # when this save() began
         self._skipping = False  # in a burst of skipped saves (logged once)
 
-    def decide(self, step: int, slots: SlotPool | None, slot: Slot | None) -> SaveHandle | None:
+    def decide(self, step: int, slots: SlotPool | None,
+               slot: Slot | NextSlot | None) -> SaveHandle | None:
         """At the start of ``save(step)``: None to take it, else its skipped handle (logged at
         the first skip of a burst). ``slot``: the slot of the memory tier's ``slots`` taken
-        for it (given back if it is skipped; None with ``slots``: none was free).
-        Collective under ``torch.distributed``."""
+        for it, or the next to come (given back if it is skipped; None with ``slots``: none
+        was free). Collective under ``torch.distributed``."""
         now = self._call = self.clock()
         if self._mark is not None:
             slowdown, training = self.drag.interval(
@@ -260,7 +265,7 @@ class Budget:
             self._skipping = True
         if slot is not None:
             assert slots is not None  # a slot comes from slots
-            slots.settle(slot, slot.home, committed=False)  # free again
+            slots.give_back(slot)
         handle = skipped_handle(step, reason)
         self.history.append(handle.figures)
         self._end_call(open_figures=False)

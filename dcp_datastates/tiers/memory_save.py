@@ -179,18 +179,24 @@ class MemorySaver:
 
 def state_bytes(state: dict) -> int:
     """Bytes the tensors of ``state`` take, each rounded up to a page (shared ones once)."""
-    total, seen, todo = 0, set(), [state]
+    return sum(round_up(nbytes_of(t)) for t in state_tensors(state))
+
+
+def state_tensors(state: dict) -> list[torch.Tensor]:
+    """The tensors of ``state`` (a DTensor's local shard), each once."""
+    tensors: list[torch.Tensor] = []
+    seen, todo = set(), [state]
     while todo:
         obj = todo.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
         if isinstance(obj, DTensor):
-            total += round_up(nbytes_of(obj._local_tensor))
+            tensors.append(obj._local_tensor)
         elif isinstance(obj, torch.Tensor):
-            total += round_up(nbytes_of(obj))
+            tensors.append(obj)
         elif isinstance(obj, dict):
             todo.extend(obj.values())
         elif isinstance(obj, list):
             todo.extend(obj)
-    return total
+    return tensors

@@ -599,6 +599,16 @@ class SlotPool:
             self._thread.wake()
         self._serve()
 
+    def give_back(self, slot: Slot | NextSlot) -> None:
+        """A save that took ``slot`` is not made (skipped): the slot is free again, or the
+        save no longer waits for the next one."""
+        self.settle(slot, self.directory, committed=False)
+
+    def waiting(self) -> bool:
+        """Whether saves wait for the next slot to come free."""
+        with self._lock:
+            return bool(self._waiting)
+
     def reclaim(self, directory: Path) -> None:
         """The step ``directory`` is being dropped (its ``.metadata`` is gone): its slot
         goes back home, free (and pinned in the background if it is not)."""

@@ -371,7 +371,7 @@ class SettingUp:
     def readying(self) -> bool:
         return self.flagged and self.on
 
-    def settle(self, slot: object, home: object, committed: bool) -> None:
+    def give_back(self, slot: object) -> None:
         pass
 
 
@@ -391,7 +391,7 @@ def _taken_with_a_slow_start(clock: FakeClock, slow: bool, flagged: bool, set_up
         pool.on = setting_up
         if step == 20 and not first.done():
             first.set_result(None)
-        if budget.decide(step, pool, slot=SimpleNamespace(home=None)) is not None:
+        if budget.decide(step, pool, slot=SimpleNamespace()) is not None:
             continue
         clock.now += COST_S
         staged: Future = Future()

@@ -1,7 +1,8 @@
 """Every save waiting for a memory-tier slot gets one: a slot lost while saves wait is made
 again (and readied), a slot the tier has no room for holds none of the tier's pages, and
-pinning that fails leaves no save waiting. Pinning is held or failed through an injected
-engine (``HeldPinEngine``); waits are bounded, never timed."""
+pinning that fails leaves no save waiting; under ``max_overhead``, a save while the slots are
+being made waits aside for one where the GPU has room. Pinning is held or failed through an
+injected engine (``HeldPinEngine``); waits are bounded, never timed."""
 
 from __future__ import annotations
 
@@ -265,3 +266,51 @@ def test_no_slot_is_made_ahead_that_the_tier_has_no_room_for(
             assert_state_equal(out, states[4])
             assert len(tier_files(tier)) <= 2
     assert not [r.getMessage() for r in caplog.records if "no room" in r.getMessage()]
+
+
+class HeldPinNoGpuRoomEngine(HeldPinEngine):
+    """:class:`HeldPinEngine` on a GPU with no room for a snapshot aside."""
+
+    def aside_fits_on_gpu(self, sources: list) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["gpu-room", "no-gpu-room"])
+def test_a_budgeted_save_while_the_slots_are_made_waits_aside_for_one(
+        tiers: Tiers, room: bool) -> None:
+    """Under ``max_overhead``, a fresh manager after ``prepare(state)`` (no wait): the first
+    save comes while the first slot is still being pinned (held). Where the GPU has room to
+    keep its snapshot aside, it is taken, waits aside, and commits into that slot once it
+    is pinned, loading exactly (every save was skipped until a slot was made: a new or
+    restarted job had no checkpoint for seconds); a second save meanwhile is skipped (one
+    save waits at a time). Where the GPU has no room, the first is skipped too (an aside in
+    pageable memory would hold the CUDA driver)."""
+    made = HeldPinEngine if room else HeldPinNoGpuRoomEngine
+    engine = made(io_backend="threads", host_cache_size="8MiB", io_workers=2)
+    clock = FakeClock()
+    states = {s: make_state(s, big=2 * MiB) for s in (1, 2)}
+    try:
+        with CheckpointManager(memory_dir=tiers.memory, keep_memory=1, persist=None,
+                               engine=engine, max_overhead=0.5, clock=clock) as manager:
+            manager.prepare(states[1])
+            assert engine.pinning.wait(10)
+            clock.now += 1.0
+            first = manager.save(1, states[1])
+            if not room:
+                engine.gate.set()
+                assert first.skipped and first.reason.startswith("no memory-tier slot free")
+                return
+            assert not first.skipped, first.reason
+            manager.wait_for_staging()  # the guard's wait: for the copy aside, not the slot
+            clock.now += 1.0
+            second = manager.save(2, states[2])
+            assert second.skipped and second.reason.startswith("no memory-tier slot free")
+            assert not first.committed.done()  # it waits aside for the slot being pinned
+            engine.gate.set()
+            first.result(timeout=10)
+            out = blank_like(states[1])
+            assert manager.load(out) == 1
+            assert_state_equal(out, states[1])
+    finally:
+        engine.gate.set()
+        engine.close()
