@@ -32,7 +32,7 @@ from .arguments import checked_keywords
 from .cuda import cuda_copy
 from .io import FALLBACK, IOBackend, make_backend
 from .memory.arenas import Arenas, MakeArena, Pinning
-from .memory.aside import fits_on_gpu
+from .memory.aside import fits_on_gpu, room_for
 from .memory.host_cache import Arena, Lease
 from .sizes import parse_size
 from .workers.executors import Executors
@@ -154,6 +154,11 @@ class Engine:
         """Whether a copy aside of ``sources`` now keeps every GPU source on the GPU (none in
         pageable host memory, where it is slow: ``aside.fits_on_gpu``); tests override it."""
         return fits_on_gpu(sources, self.cuda)
+
+    def aside_room_for(self, nbytes: int) -> bool:
+        """Whether this process's CUDA device has room now to keep ``nbytes`` of a snapshot
+        aside (False without a GPU: ``aside.room_for``); tests override it."""
+        return room_for(nbytes, self.cuda)
 
     def reserve(self, nbytes: int, *, wait: bool = True) -> Lease | None:
         """A snapshot lease of ``nbytes`` (less where the cache is smaller: the caller stages

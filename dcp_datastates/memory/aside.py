@@ -8,7 +8,8 @@ CPU tensors are. Training may change the sources as soon as it returns; the job 
 copies into the cache once it is ready and then calls :meth:`Aside.free`. A copy of a GPU
 source into pageable memory is slow (a fraction of pinned speed): :func:`fits_on_gpu` tells a job
 whether it would come to that (a save into a memory-tier slot then waits for its slot
-instead).
+instead), and :func:`room_for` whether a snapshot of some size would stay on the GPU (the
+memory tier's budget asks before it takes a save whose slot is not made yet).
 """
 
 from __future__ import annotations
@@ -127,6 +128,15 @@ def fits_on_gpu(sources: list[torch.Tensor], cuda: CudaCopier | None,
     total bytes (:func:`room_on` by default)."""
     places = _places(sources, cuda, headroom, mem_info or room_on)
     return all(p != HOST for src, p in zip(sources, places, strict=True) if src.is_cuda)
+
+
+def room_for(nbytes: int, cuda: CudaCopier | None, headroom: float = GPU_HEADROOM,
+             mem_info: MemInfo | None = None) -> bool:
+    """Whether the current CUDA device has room to keep ``nbytes`` of GPU sources aside, as
+    :func:`stash` would place them (False without cuda-python: nothing goes aside on a GPU)."""
+    if cuda is None:
+        return False
+    return _has_room((mem_info or room_on)(torch.cuda.current_device()), nbytes, headroom)
 
 
 def _places(sources: list[torch.Tensor], cuda: CudaCopier | None, headroom: float,

@@ -36,9 +36,10 @@ when the previous save's snapshot is still copying (taking it would make the gua
 CPU; copies issued on the GPU do not count: the training's next work queues behind them), or
 when no memory-tier slot is free (it would be copied into the tier, seconds of work). While the
 tier's slots are being made, a save that finds none ready is taken all the same where its GPU
-has room to keep its snapshot aside, one save at a time: it waits there for the slot on its
-way (so a new or restarted job is protected from its first save, not once a slot is made;
-a copy aside into pageable memory would hold the CUDA driver, so none is made). Under
+has room to keep a snapshot of the state's size aside, one save at a time: it waits there for
+the slot on its way (a new or restarted job need not wait for a slot to be made for its first
+checkpoint). Without a GPU, or where it has no room, none is (a copy aside into pageable
+memory would hold the CUDA driver). Under
 ``torch.distributed`` the ranks take the same decision for every step (a step saved on some
 ranks only could never be restored): one all-reduce (MAX) per save on the manager's gloo group.
 """

@@ -38,7 +38,7 @@ from .budget import Budget, check_max_overhead
 from .claims import MEMORY_MODE, TierClaims
 from .handles import SaveFigures, SaveHandle
 from .local_dcp import plain
-from .memory_save import MemorySaver, state_bytes, state_tensors
+from .memory_save import MemorySaver, state_bytes
 from .persister import Persister
 from .private import check_private, user_root
 from .ranks import Ranks
@@ -202,19 +202,17 @@ class CheckpointManager:
             self._taken = {s for s in self._taken if s <= self._rollback}
             self._rollback = None
         budget, slots = self._budget, self._slots
-        flat = None  # the state with its state dicts taken: once, and not for a save skipped
         if slots is not None and self.engine.cuda is not None and not slots.prepared():
-            flat = plain(state)
-            self._prepare_slots(flat)  # no copy into a slot not pinned yet
+            self._prepare_slots(state)  # no copy into a slot not pinned yet
         slot = (slots.take(later=budget is None, spare=budget is None) if slots is not None
                 else None)
         if budget is not None:
-            if slot is None and slots is not None and slots.readying() and not slots.waiting():
-                # the tier is being set up: one save at a time waits aside for the slot on
-                # its way, where its GPU has room (:mod:`.budget`)
-                flat = plain(state) if flat is None else flat
-                if self.engine.aside_fits_on_gpu(state_tensors(flat)):
-                    slot = slots.take(later=True, spare=False)
+            if (slot is None and slots is not None and slots.readying() and not slots.waiting()
+                    and self.engine.aside_room_for(slots.snapshot_bytes())):
+                # the tier is being set up: one save at a time waits aside on the GPU for the
+                # slot on its way (:mod:`.budget`); no state dict is taken before the ranks
+                # decide (a collective one would hang them, and its time is the save's cost)
+                slot = slots.take(later=True, spare=False)
             skipped = budget.decide(step, slots, slot)
             if skipped is not None:
                 return skipped
@@ -225,7 +223,7 @@ class CheckpointManager:
             self._retention.replace(step)
         self._taken.add(step)
         start = time.perf_counter()
-        handle = self._saver.start(step, plain(state) if flat is None else flat, start, slot)
+        handle = self._saver.start(step, plain(state), start, slot)
         if self._persister is not None:
             self._persister.after_save(handle)
         if self._replicator is not None:
@@ -263,11 +261,12 @@ class CheckpointManager:
         sizes its slot itself."""
         self._check_open("nothing to prepare")
         if self._slots is not None:
-            self._prepare_slots(plain(state), wait)
+            self._prepare_slots(state, wait)
 
-    def _prepare_slots(self, flat: dict, wait: bool = False) -> None:
-        """Size the slots for ``flat`` (a state with its state dicts taken: ``plain``)."""
+    def _prepare_slots(self, state: dict, wait: bool = False) -> None:
+        """Size the slots for ``state`` (its state dicts taken once)."""
         assert self._slots is not None  # a memory tier on tmpfs
+        flat = plain(state)
         self._slots.prepare(*_snapshot_size(flat), wait=wait, nbytes=state_bytes(flat))
 
     # -- waiting --------------------------------------------------------------------------------

@@ -179,24 +179,18 @@ class MemorySaver:
 
 def state_bytes(state: dict) -> int:
     """Bytes the tensors of ``state`` take, each rounded up to a page (shared ones once)."""
-    return sum(round_up(nbytes_of(t)) for t in state_tensors(state))
-
-
-def state_tensors(state: dict) -> list[torch.Tensor]:
-    """The tensors of ``state`` (a DTensor's local shard), each once."""
-    tensors: list[torch.Tensor] = []
-    seen, todo = set(), [state]
+    total, seen, todo = 0, set(), [state]
     while todo:
         obj = todo.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
         if isinstance(obj, DTensor):
-            tensors.append(obj._local_tensor)
+            total += round_up(nbytes_of(obj._local_tensor))
         elif isinstance(obj, torch.Tensor):
-            tensors.append(obj)
+            total += round_up(nbytes_of(obj))
         elif isinstance(obj, dict):
             todo.extend(obj.values())
         elif isinstance(obj, list):
             todo.extend(obj)
-    return tensors
+    return total

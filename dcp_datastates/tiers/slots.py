@@ -431,6 +431,12 @@ class SlotPool:
             self.room = max(self.room, round_up(header_len, ALIGN))
         self._thread.wake()
 
+    def snapshot_bytes(self) -> int:
+        """Bytes of data a save's snapshot takes, as :meth:`prepare` (or later saves, see
+        :meth:`saw`) said; 0 before."""
+        with self._lock:
+            return self._want[0] if self._want is not None else 0
+
     def prepared(self) -> bool:
         """Whether :meth:`prepare` gave the slots a size."""
         with self._lock:

@@ -269,6 +269,18 @@ class HeldSettles(ThreadPoolExecutor):
         return fn(*args, **kwargs)
 
 
+class HeldPinRoomEngine(HeldPinEngine):
+    """:class:`HeldPinEngine` on a GPU that has room (``room``) to keep a snapshot aside, or
+    none, as the memory tier's budget asks (``aside_room_for``)."""
+
+    def __init__(self, room: bool, **kw: object) -> None:
+        super().__init__(**kw)
+        self.room = room
+
+    def aside_room_for(self, nbytes: int) -> bool:
+        return self.room
+
+
 class NoGpuRoomEngine(Engine):
     """An engine that finds no GPU room for a snapshot aside (``aside_fits_on_gpu`` is False,
     even for CPU sources): a memory-tier save whose slot is not ready waits for it instead of

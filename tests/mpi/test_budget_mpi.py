@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_state_equal, blank_like, mpi_util, rand_tensor
-from helpers.fakes import Costly, FakeClock
+from helpers.fakes import Costly, FakeClock, HeldPinRoomEngine
 from helpers.mpi_util import World, agree, collecting
 
 from dcp_datastates import CheckpointManager, Engine
@@ -76,3 +76,60 @@ def test_every_rank_takes_the_same_decisions(world: World, nodes: Path, shared: 
     durable = sorted(int(m.group(1)) for p in shared.iterdir()
                      if (m := re.fullmatch(r"step_(\d+)", p.name)))
     assert set(durable) <= set(TAKEN), durable
+
+
+class Collective:
+    """A ``Stateful`` whose ``state_dict()`` is collective (an all-reduce on the default group,
+    as an FSDP optimizer's state dict gathers); ``calls`` counts them."""
+
+    def __init__(self, state: dict) -> None:
+        self.state, self.calls = state, 0
+
+    def state_dict(self) -> dict:
+        dist.all_reduce(torch.ones(1))
+        self.calls += 1
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def test_a_collective_state_dict_while_one_rank_waits_for_its_slot(world: World,
+                                                                  nodes: Path) -> None:
+    """Under ``max_overhead``, rank 0's first slot is still being pinned (held) when the first
+    save comes; the other ranks' slots are pinned. Rank 0's save waits aside for its slot, the
+    others' go into theirs: every rank takes the save, takes its state dict (a collective one)
+    once the ranks have decided, and the step loads exactly. Taken on rank 0 alone before the
+    budget's all-reduce, such a state dict hung every rank."""
+    engine = HeldPinRoomEngine(True, io_backend="threads", host_cache_size="8MiB",
+                               io_workers=2)
+    if world.rank != 0:
+        engine.gate.set()
+    clock = FakeClock()
+    state = rank_state(world.rank, 1)
+    errors: list[str] = []
+    try:
+        with CheckpointManager(memory_dir=nodes / f"node_{world.rank}", keep_memory=1,
+                               persist=None, engine=engine, max_overhead=0.5,
+                               clock=clock) as manager:
+            manager.prepare(state, wait=world.rank != 0)
+            with collecting(errors, "pinning held"):
+                assert world.rank != 0 or engine.pinning.wait(10)
+            clock.now += 1.0
+            app = Collective(state)
+            handle = manager.save(1, {"app": app})
+            with collecting(errors, "save"):
+                assert not handle.skipped, handle.reason
+                assert app.calls == 1
+            agree(errors, "the save taken")
+            engine.gate.set()
+            with collecting(errors, "commit"):
+                handle.result(timeout=30)
+            out = {"app": Collective(blank_like(state))}
+            with collecting(errors, "load"):
+                assert manager.load(out) == 1
+                assert_state_equal(out["app"].state, state)
+    finally:
+        engine.gate.set()
+        engine.close()
+    agree(errors, "collective state dict")

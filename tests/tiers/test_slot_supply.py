@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import MARKS, Tiers, assert_state_equal, blank_like, mounted_tmpfs
-from helpers.fakes import FakeClock, HeldPinEngine
+from helpers.fakes import Costly, FakeClock, HeldPinEngine, HeldPinRoomEngine
 from helpers.tiers import make_state, slot_files, steps_in, tier_files, wait_until
 
 from dcp_datastates import CheckpointManager, Engine
@@ -268,13 +268,6 @@ def test_no_slot_is_made_ahead_that_the_tier_has_no_room_for(
     assert not [r.getMessage() for r in caplog.records if "no room" in r.getMessage()]
 
 
-class HeldPinNoGpuRoomEngine(HeldPinEngine):
-    """:class:`HeldPinEngine` on a GPU with no room for a snapshot aside."""
-
-    def aside_fits_on_gpu(self, sources: list) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("room", [True, False], ids=["gpu-room", "no-gpu-room"])
 def test_a_budgeted_save_while_the_slots_are_made_waits_aside_for_one(
         tiers: Tiers, room: bool) -> None:
@@ -284,9 +277,11 @@ def test_a_budgeted_save_while_the_slots_are_made_waits_aside_for_one(
     is pinned, loading exactly (every save was skipped until a slot was made: a new or
     restarted job had no checkpoint for seconds); a second save meanwhile is skipped (one
     save waits at a time). Where the GPU has no room, the first is skipped too (an aside in
-    pageable memory would hold the CUDA driver)."""
-    made = HeldPinEngine if room else HeldPinNoGpuRoomEngine
-    engine = made(io_backend="threads", host_cache_size="8MiB", io_workers=2)
+    pageable memory would hold the CUDA driver). No state dict is taken for a save skipped,
+    and one taken is charged its state dict's time (taken before the ranks decide, a
+    collective state dict hung ranks that decided on other paths)."""
+    engine = HeldPinRoomEngine(room, io_backend="threads", host_cache_size="8MiB",
+                               io_workers=2)
     clock = FakeClock()
     states = {s: make_state(s, big=2 * MiB) for s in (1, 2)}
     try:
@@ -295,22 +290,27 @@ def test_a_budgeted_save_while_the_slots_are_made_waits_aside_for_one(
             manager.prepare(states[1])
             assert engine.pinning.wait(10)
             clock.now += 1.0
-            first = manager.save(1, states[1])
+            before = clock.now
+            first = manager.save(1, {"app": Costly(states[1], clock, 0.25)})
             if not room:
                 engine.gate.set()
                 assert first.skipped and first.reason.startswith("no memory-tier slot free")
+                assert clock.now == before  # no state dict taken
                 return
             assert not first.skipped, first.reason
+            assert first.figures.cost_s == 0.25  # the state dict's time, in the call
             manager.wait_for_staging()  # the guard's wait: for the copy aside, not the slot
             clock.now += 1.0
-            second = manager.save(2, states[2])
+            before = clock.now
+            second = manager.save(2, {"app": Costly(states[2], clock, 0.25)})
             assert second.skipped and second.reason.startswith("no memory-tier slot free")
+            assert clock.now == before
             assert not first.committed.done()  # it waits aside for the slot being pinned
             engine.gate.set()
             first.result(timeout=10)
-            out = blank_like(states[1])
+            out = {"app": Costly(blank_like(states[1]), clock, 0.0)}
             assert manager.load(out) == 1
-            assert_state_equal(out, states[1])
+            assert_state_equal(out["app"].state, states[1])
     finally:
         engine.gate.set()
         engine.close()
