@@ -50,9 +50,10 @@ What each ``checkpoint.async_mode`` does then:
 
 Memory tier (``DataStatesCheckpointManager.Config(memory_tier=True, ...)``): each save goes
 into node memory through a :class:`dcp_datastates.CheckpointManager` (``save()`` waits for no
-storage write; the next save waits only for that memory commit) and some are persisted in the
-background to the checkpoint folder as ``step-<N>``, the name torchtitan finds, loads and purges
-(``keep_latest_k`` counts them; the manager also applies it as each persist commits).
+storage write, nor the next save for its memory commit: the manager orders its saves itself)
+and some are persisted in the background to the checkpoint folder as ``step-<N>``, the name
+torchtitan finds, loads and purges (``keep_latest_k`` counts them; the manager also applies it
+as each persist commits).
 ``persist_interval`` picks which: 0 whenever the previous persist has finished, else every
 ``persist_interval / interval``-th save. The last step's save (model-only, HF) is written
 straight to the folder as usual, and ``close()`` persists the newest step if the folder lacks
@@ -257,12 +258,18 @@ def _datastates_save(manager: Any, stock_save: Callable[..., Any], state_dict: d
 def _tier_save(ds: DataStates, state_dict: dict[str, Any], checkpoint_id: str,
                mode: str) -> Any:
     """A save into the memory tier (persisted later, maybe): what torchtitan expects back for
-    ``mode``, its futures done once the memory commit is (a save the tier had no room for
-    counts as done: the manager logged it; training goes on)."""
+    ``mode``. In the async modes its upload future is done at once: the manager orders its
+    saves itself, so torchtitan's wait before the next save (for this one's memory commit,
+    seconds while the tier's first slots are made) would only stall training, unseen by an
+    overhead budget. An earlier save whose commit failed raises here, as that wait would have
+    (a save the tier had no room for is no error: the manager logged it; training goes on)."""
     match = TORCHTITAN_STEP.match(Path(checkpoint_id).name)
     if match is None:
         raise ValueError(f"{checkpoint_id}: not a torchtitan step folder (step-<N>)")
     assert ds.tiers is not None  # dcp_save saves into the tier only where there is one
+    if ds.upload is not None and ds.upload.done() and ds.upload.exception() is not None:
+        failed, ds.upload = ds.upload, None
+        failed.result()
     handle = ds.tiers.save(int(match.group(1)), state_dict)
     ds.staging, ds.upload = _past_full(handle.staged), _past_full(handle.committed)
     if mode == "disabled":
@@ -271,11 +278,11 @@ def _tier_save(ds: DataStates, state_dict: dict[str, Any], checkpoint_id: str,
     if not ds.overlap:
         ds.staging.result()
     if mode == "async":
-        return ds.upload
+        return _done()
     # the guard orders the optimizer step after the snapshot's copies (and, under an overhead
     # budget, counts its wait): torchtitan's own wait, for the snapshot in host memory, gets a
     # done future
-    return AsyncSaveResponse(_done() if ds.budgeted or ds.guarded else ds.staging, ds.upload)
+    return AsyncSaveResponse(_done() if ds.budgeted or ds.guarded else ds.staging, _done())
 
 
 def _done() -> Future:

@@ -138,7 +138,10 @@ def test_a_save_waiting_for_its_slot_goes_aside_once_the_gpu_has_room(
                 _wait_until(lambda: _messages(caplog, "save 5: the next memory-tier slot to "
                                                       "come free is not ready yet and"))
                 run.filler.clear()  # idle in torch's cache: room for the snapshot aside
-                _wait_until(lambda: _messages(caplog, "save 5: the GPU has room again"))
+                _wait_until(lambda: _messages(caplog, "save 5: the next memory-tier slot to "
+                                                      "come free is not ready yet; the "
+                                                      "snapshot waits aside"))
+                assert _messages(caplog, "save 5: the GPU has room again")
                 assert run.engine.arenas.aside_bytes() > 0
                 run.opt.step()  # ordered after the copy aside, not after a slot
                 torch.cuda.synchronize()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import mpi_util
+from helpers.fakes import FaultyBackend
 from helpers.mpi_util import World, agree
 from helpers.tiers import slot_files, wait_until
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -56,7 +57,9 @@ from dcp_datastates.integrations.torchtitan import (  # noqa: E402
     enable_datastates,
     is_datastates_checkpoint,
 )
+from dcp_datastates.io import ThreadPoolBackend  # noqa: E402
 from dcp_datastates.tiers.claims import LOCK_NAME as TIER_LOCK  # noqa: E402
+from dcp_datastates.tiers.steps import committed_steps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:To get the last learning rate computed")
 world = mpi_util.world
@@ -580,6 +583,69 @@ def test_memory_tier_under_an_overhead_budget(one_rank: None, tmp_path: Path, sh
     newest = max(taken)
     assert differences(again.snapshot(), saved[newest], f"step {newest}") == []
     other.close()
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_memory_tier_next_save_waits_for_no_memory_commit(one_rank: None, tmp_path: Path,
+                                                          shm: Path, mode: str) -> None:
+    """torchtitan waits for the previous save's upload before each save; the memory tier's
+    manager orders its saves itself, so the next save and torchtitan's wait go on while the
+    previous memory commit is held. Once let go, both steps commit and the newest loads bit
+    for bit."""
+    io = FaultyBackend(ThreadPoolBackend(), gated=True)
+    with Engine(host_cache_size="16MiB", io_backend=io, io_workers=2) as engine:
+        run = Run(seed=0)
+        manager = tiered(run, tmp_path, shm, engine, mode, interval=1)
+        tiers = manager.datastates.tiers
+        assert tiers is not None
+        let_go = threading.Timer(HOLD_LIMIT / 2, io.gate.set)  # a wait fails, never hangs
+        let_go.start()
+        try:
+            run.step(1, manager)
+            manager.save(1)
+            assert io.write_started.wait(HOLD_LIMIT / 2), "the memory commit never wrote"
+            run.step(2, manager)
+            manager.save(2)
+            TORCHTITAN.wait_for_saving(manager)
+            assert not io.gate.is_set(), "a save waited for the previous memory commit"
+            assert committed_steps(tiers.memory) == []
+        finally:
+            let_go.cancel()
+            io.gate.set()
+        saved = run.snapshot()
+        tiers.wait()
+        assert committed_steps(tiers.memory) == [1, 2]
+        manager.close()
+        again = Run(seed=1)
+        other = tiered(again, tmp_path, shm, engine, mode, interval=1)
+        assert other.load()
+        assert differences(again.snapshot(), saved, "step 2") == []
+        other.close()
+
+
+@pytest.mark.mpi_skip
+def test_memory_tier_commit_error_is_raised_at_the_next_save(one_rank: None, tmp_path: Path,
+                                                             shm: Path) -> None:
+    """A memory commit that failed (the tier's disk said EIO) raises at the next save, as
+    torchtitan's wait for it did; that save is not taken."""
+    io = FaultyBackend(ThreadPoolBackend(), fail_write_after=0)
+    with Engine(host_cache_size="16MiB", io_backend=io, io_workers=2) as engine:
+        run = Run(seed=0)
+        manager = tiered(run, tmp_path, shm, engine, "async", interval=1)
+        ds = manager.datastates
+        tiers = ds.tiers
+        assert tiers is not None
+        run.step(1, manager)
+        manager.save(1)
+        wait_until(lambda: ds.upload is not None and ds.upload.done(), "the commit failed")
+        run.step(2, manager)
+        with pytest.raises(OSError, match="injected"):
+            manager.save(2)
+        assert "step_2" not in tier_entries(tiers.memory)
+        assert committed_steps(tiers.memory) == []
+        with pytest.raises(OSError, match="injected"):  # the manager's close raises it too
+            manager.close()
 
 
 # -- several ranks (mpirun) ----------------------------------------------------------------------
