@@ -39,9 +39,8 @@ TABLES = {
     "bench_training_h100_8g": ("training steps",),
     "bench_training_h100_8g_idiom": ("training steps",),
     "bench_torchtitan_h100": ("torchtitan llama3", "Resume after SIGKILL"),
-    "bench_torchtitan_2xh100": ("Resume after SIGKILL",),
-    "bench_torchtitan_2xh100_enable": ("torchtitan llama3", "Resume after SIGKILL"),
-    "bench_torchtitan_h200": ("torchtitan llama3", "Resume after SIGKILL"),
+    "bench_torchtitan_2xh100": ("torchtitan llama3", "Resume after SIGKILL"),
+    "bench_torchtitan_h100_resume": ("torchtitan llama3", "Resume after SIGKILL"),
     "bench_training_h100": ("GPT",),
 }
 
