@@ -146,6 +146,7 @@ class DataStates:
     budgeted: bool = False  # the memory tier has an overhead budget (max_overhead)
     staging: Future | None = None
     upload: Future | None = None
+    commits: list[Future] = field(default_factory=list, repr=False)  # async, not seen over
     last_writer: DataStatesWriter | None = None
     direct: bool = False  # the save in progress bypasses the memory tier (the last step's)
     prepared: bool = False  # the memory tier's slots are being made for the trainer's state
@@ -261,20 +262,20 @@ def _tier_save(ds: DataStates, state_dict: dict[str, Any], checkpoint_id: str,
     ``mode``. In the async modes its upload future is done at once: the manager orders its
     saves itself, so torchtitan's wait before the next save (for this one's memory commit,
     seconds while the tier's first slots are made) would only stall training, unseen by an
-    overhead budget. An earlier save whose commit failed raises here, as that wait would have
-    (a save the tier had no room for is no error: the manager logged it; training goes on)."""
+    overhead budget. An earlier async save whose commit has failed raises here (the first save
+    after it failed), as that wait would have (a save the tier had no room for is no error: the
+    manager logged it; training goes on)."""
     match = TORCHTITAN_STEP.match(Path(checkpoint_id).name)
     if match is None:
         raise ValueError(f"{checkpoint_id}: not a torchtitan step folder (step-<N>)")
     assert ds.tiers is not None  # dcp_save saves into the tier only where there is one
-    if ds.upload is not None and ds.upload.done() and ds.upload.exception() is not None:
-        failed, ds.upload = ds.upload, None
-        failed.result()
+    _raise_failed_commit(ds)
     handle = ds.tiers.save(int(match.group(1)), state_dict)
     ds.staging, ds.upload = _past_full(handle.staged), _past_full(handle.committed)
     if mode == "disabled":
         ds.upload.result()
         return None
+    ds.commits.append(ds.upload)
     if not ds.overlap:
         ds.staging.result()
     if mode == "async":
@@ -283,6 +284,23 @@ def _tier_save(ds: DataStates, state_dict: dict[str, Any], checkpoint_id: str,
     # budget, counts its wait): torchtitan's own wait, for the snapshot in host memory, gets a
     # done future
     return AsyncSaveResponse(_done() if ds.budgeted or ds.guarded else ds.staging, _done())
+
+
+def _raise_failed_commit(ds: DataStates) -> None:
+    """Raise the error of the first memory commit of the async saves so far that failed since
+    the previous save (each is raised here once: it may have failed after later saves began);
+    forget the commits that are over."""
+    pending, failed = [], None
+    for commit in ds.commits:
+        if not commit.done():
+            pending.append(commit)
+        elif failed is None and commit.exception() is not None:
+            failed = commit
+    ds.commits = pending
+    if failed is not None:
+        if failed is ds.upload:
+            ds.upload = None
+        failed.result()
 
 
 def _done() -> Future:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -57,7 +57,7 @@ from dcp_datastates.integrations.torchtitan import (  # noqa: E402
     enable_datastates,
     is_datastates_checkpoint,
 )
-from dcp_datastates.io import ThreadPoolBackend  # noqa: E402
+from dcp_datastates.io import IOReq, ThreadPoolBackend  # noqa: E402
 from dcp_datastates.tiers.claims import LOCK_NAME as TIER_LOCK  # noqa: E402
 from dcp_datastates.tiers.steps import committed_steps  # noqa: E402
 
@@ -645,6 +645,79 @@ def test_memory_tier_commit_error_is_raised_at_the_next_save(one_rank: None, tmp
         assert "step_2" not in tier_entries(tiers.memory)
         assert committed_steps(tiers.memory) == []
         with pytest.raises(OSError, match="injected"):  # the manager's close raises it too
+            manager.close()
+
+
+class StepFailingBackend(FaultyBackend):
+    """Holds the writes into ``step_<failing>`` of the memory tier until ``gate`` is set, then
+    fails them (EIO); every other write goes through."""
+
+    def __init__(self, failing: int) -> None:
+        super().__init__(ThreadPoolBackend())
+        self.failing, self.held = f"/step_{failing}/", threading.Event()
+        self.gate.clear()
+
+    def write(self, fd: int, path: str, reqs: Sequence[IOReq]) -> None:
+        if self.failing not in path:
+            self.inner.write(fd, path, reqs)
+            return
+        self.held.set()
+        if not self.gate.wait(HOLD_LIMIT):
+            raise TimeoutError(f"{path}: the write was never let go")
+        raise self._error("write", path)
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_memory_tier_commit_that_fails_after_the_next_save_raises_later(
+        one_rank: None, tmp_path: Path, shm: Path, mode: str) -> None:
+    """A memory commit that fails once the next save has started (the later commits go
+    through) still raises at a later save, not only at close()."""
+    io = StepFailingBackend(failing=1)
+    with Engine(host_cache_size="16MiB", io_backend=io, io_workers=2) as engine:
+        run = Run(seed=0)
+        manager = tiered(run, tmp_path, shm, engine, mode, interval=1)
+        tiers = manager.datastates.tiers
+        assert tiers is not None
+        try:
+            run.step(1, manager)
+            manager.save(1)
+            assert io.held.wait(HOLD_LIMIT / 2), "the commit of step 1 never wrote"
+            run.step(2, manager)
+            manager.save(2)  # step 1's commit is still running: nothing to raise yet
+        finally:
+            io.gate.set()
+        wait_until(lambda: committed_steps(tiers.memory) == [2], "step 2 committed")
+        run.step(3, manager)
+        with pytest.raises(OSError, match=r"injected.*step_1"):
+            manager.save(3)
+        run.step(4, manager)
+        manager.save(4)  # raised once: the next save is taken
+        wait_until(lambda: committed_steps(tiers.memory) == [2, 4], "step 4 committed")
+        with pytest.raises(OSError, match=r"injected.*step_1"):  # the manager's close too
+            manager.close()
+
+
+@pytest.mark.mpi_skip
+def test_memory_tier_disabled_mode_raises_a_failed_commit_once(one_rank: None,
+                                                               tmp_path: Path,
+                                                               shm: Path) -> None:
+    """In "disabled" mode the save that failed raises its commit's error; the next save is
+    taken (the error is not raised again there)."""
+    io = StepFailingBackend(failing=1)
+    io.gate.set()
+    with Engine(host_cache_size="16MiB", io_backend=io, io_workers=2) as engine:
+        run = Run(seed=0)
+        manager = tiered(run, tmp_path, shm, engine, "disabled", interval=1)
+        tiers = manager.datastates.tiers
+        assert tiers is not None
+        run.step(1, manager)
+        with pytest.raises(OSError, match=r"injected.*step_1"):
+            manager.save(1)
+        run.step(2, manager)
+        manager.save(2)
+        assert committed_steps(tiers.memory) == [2]
+        with pytest.raises(OSError, match=r"injected.*step_1"):  # the manager's close too
             manager.close()
 
 
