@@ -74,7 +74,7 @@ class MemorySaver:
             writer = DataStatesWriter(directory, engine=self.engine(), overwrite=True,
                                       snapshot_into=slot)
             staged = writer.stage(state)
-            committed = self._uploader.submit(self._upload, writer, staged)
+            committed = self._uploader.submit(self._upload, step, writer, staged)
         except Exception as exc:  # noqa: BLE001 - the handle carries it; training goes on
             if writer is not None:
                 writer.close()  # a snapshot staged for a save that will not run: given back
@@ -127,12 +127,16 @@ class MemorySaver:
                        f"only persisted steps leave it to make room")
         return advice
 
-    def _upload(self, writer: DataStatesWriter, staged: Future) -> None:
-        """The rest of a save, as ``dcp.async_save`` runs it on a thread of its own (this
-        thread stays, so a save costs the training loop no thread start): DCP's save of the
-        snapshot, once it is copied."""
+    def _upload(self, step: int, writer: DataStatesWriter, staged: Future) -> None:
+        """The rest of the save of ``step``, as ``dcp.async_save`` runs it on a thread of its
+        own (this thread stays, so a save costs the training loop no thread start): DCP's save
+        of the snapshot, once it is copied. An error is logged here (the handle carries it)."""
         try:
             local_dcp.save(staged.result(), writer, self.planner)
+        except Exception as exc:
+            log.error("dcp_datastates: checkpoint of step %d not committed to the memory tier "
+                      "%s: %s", step, self.memory, exc)
+            raise
         finally:
             writer.close()  # a snapshot that DCP's save did not take is given back
             # a save DCP gave up between two writer calls (its planner failed) ends now, not

@@ -242,6 +242,37 @@ def test_failed_saves_after_the_slot_rename_lose_nothing(tiers: Tiers) -> None:
         io.close()
 
 
+def test_a_failed_memory_commit_is_logged_naming_its_step_and_tier(
+        tiers: Tiers, caplog: pytest.LogCaptureFixture) -> None:
+    """A memory commit that fails is logged where it fails, naming the step and the tier, once,
+    before anything waits for its handle (a loop that never looks at its handles, or an
+    adapter that does not wait, still hears of it); the handle carries the error."""
+    caplog.set_level(logging.ERROR, logger="dcp_datastates")
+    io = FailFsync(ThreadPoolBackend(), tiers.memory)
+    io.failing = True
+    engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=4)
+    try:
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                               engine=engine) as manager:
+            handle = manager.save(1, make_state(1))
+            done = threading.Event()
+            handle.committed.add_done_callback(lambda _: done.set())
+            assert done.wait(30), "the commit never ended"
+            logged = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(logged) == 1 and logged[0].startswith(
+                f"dcp_datastates: checkpoint of step 1 not committed to the memory tier "
+                f"{tiers.memory}: [Errno 5] injected EIO: '{tiers.memory / 'step_1'}/"), logged
+            with pytest.raises(OSError, match="injected EIO"):
+                handle.result(timeout=30)
+            io.failing = False
+            manager.save(2, make_state(2)).result(timeout=30)
+        assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+        assert steps_in(tiers.memory) == [2]
+    finally:
+        engine.close()
+        io.close()
+
+
 @pytest.mark.parametrize("verify_checksums", [False, True])
 def test_a_load_fails_where_its_step_is_dropped_and_its_slot_reused_meanwhile(
         tiers: Tiers, engine: Engine, verify_checksums: bool) -> None:
