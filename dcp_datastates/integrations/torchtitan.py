@@ -227,7 +227,10 @@ def _datastates_save(manager: Any, stock_save: Callable[..., Any], state_dict: d
         return stock_save(state_dict, checkpoint_id=checkpoint_id, async_mode=async_mode,
                           enable_garbage_collection=enable_garbage_collection, to_hf=True)
     mode = _mode(async_mode)
-    if ds.tiers is not None and not ds.direct:
+    # the memory tier takes the steps of the manager's folder; others (0.2.x's torchft
+    # per-replica saves, <folder>/ft-replicat-<r>/step-<N>) go where torchtitan writes them
+    in_folder = Path(checkpoint_id).absolute().parent == Path(manager.folder).absolute()
+    if ds.tiers is not None and not ds.direct and in_folder:
         result = _tier_save(ds, state_dict, checkpoint_id, mode)
     elif mode == "disabled":
         dcp.save(state_dict, checkpoint_id=checkpoint_id, storage_writer=ds.writer())

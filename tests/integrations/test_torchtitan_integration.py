@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import mpi_util
@@ -49,7 +50,7 @@ pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is no
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
-from dcp_datastates import Engine, default_engine  # noqa: E402
+from dcp_datastates import DataStatesReader, Engine, default_engine  # noqa: E402
 from dcp_datastates.integrations.torchtitan import (  # noqa: E402
     TORCHTITAN,
     DataStates,
@@ -719,6 +720,32 @@ def test_memory_tier_disabled_mode_raises_a_failed_commit_once(one_rank: None,
         assert committed_steps(tiers.memory) == [2]
         with pytest.raises(OSError, match=r"injected.*step_1"):  # the manager's close too
             manager.close()
+
+
+@pytest.mark.mpi_skip
+def test_memory_tier_leaves_saves_outside_the_folder_to_the_writer(one_rank: None,
+                                                                   tmp_path: Path, shm: Path,
+                                                                   engine: Engine) -> None:
+    """A save into a folder other than the manager's (torchtitan 0.2.x's torchft per-replica
+    save of the dataloader, ``<folder>/ft-replicat-<r>/step-<N>``) is written there, as
+    torchtitan writes it, not taken into the memory tier as that step."""
+    run = Run(seed=0)
+    manager = tiered(run, tmp_path, shm, engine, "async")
+    tiers = manager.datastates.tiers
+    assert tiers is not None
+    replica = Path(manager.folder) / "ft-replicat-0" / "step-3"
+    state = {"dataloader": run.dataloader}
+    run.dataloader.step = 30
+    result = manager.dcp_save(state, checkpoint_id=str(replica), async_mode="async")
+    if result is not None:
+        result.result()
+    assert is_datastates_checkpoint(replica)
+    assert tiers.latest_step() is None and committed_steps(tiers.memory) == []
+    again = Run(seed=1)
+    loaded = {"dataloader": again.dataloader}
+    dcp.load(loaded, checkpoint_id=str(replica), storage_reader=DataStatesReader(engine=engine))
+    assert again.dataloader.step == 30
+    manager.close()
 
 
 # -- several ranks (mpirun) ----------------------------------------------------------------------
