@@ -24,9 +24,11 @@ saves more rarely than their cost allowed).
 
 While the memory tier is being set up (its slots sized and pinned in the background, after
 ``prepare()`` or the first save), the loop may run slower: an interval of the set-up that a
-save in flight overlaps is not charged to it, and earns what a typical interval does (the
-baseline's, once known), so a one-time start-up cost neither starves the account nor pays for a
-burst of saves; one that no save overlaps is a quiet interval like any other (the set-up runs
+save in flight overlaps is not charged to it up to SETUP_SLOWDOWN baselines, and earns what a
+typical interval does (the baseline's, once known), so a one-time start-up cost neither starves
+the account nor pays for a burst of saves; beyond that, the interval waited on something no
+set-up explains (a caller's wait for a commit, say), and the excess is charged to the saves in
+flight as always. One that no save overlaps is a quiet interval like any other (the set-up runs
 on other threads, and a set-up that lasts longer than the first intervals must not leave the
 loop without a baseline: no save but the first would be paid for). A save's call and the
 guard's waits for its snapshot are charged as always.
@@ -66,6 +68,9 @@ QUIET_KEPT = 32
 #: short (the loop catching up on work a save delayed), and alone it made every interval
 #: before it look slow (a first save was charged several times its real cost).
 QUIET_MIN = 3
+#: How many baselines an interval of the tier's set-up may take with a save in flight before
+#: the excess is charged to the save (the set-up slows the loop; it does not stall it).
+SETUP_SLOWDOWN = 4
 #: Why a save is skipped, by precedence (an all-reduce keeps the highest of the ranks').
 OVER_BUDGET, NO_SLOT, COPYING = 1, 2, 3
 #: What a rank says of another rank's reason.
@@ -154,7 +159,8 @@ class Drag:
         self._flying: list[_Flight] = []
         self._pending: list[tuple[float, float, list[SaveHandle]]] = []  # before a baseline
         self._landed: list[SaveHandle] = []  # commits done in the last interval
-        self._setting_up: list[float] = []  # intervals of the tier's set-up, before a baseline
+        # intervals of the tier's set-up with saves in flight, before a baseline
+        self._setting_up: list[tuple[float, float, list[SaveHandle]]] = []
 
     def track(self, handle: SaveHandle) -> None:
         """``handle`` was taken: it is in flight until its memory commit is done."""
@@ -165,16 +171,12 @@ class Drag:
         """The loop ran from ``start`` to ``end`` (``training_s`` of it outside the guard's
         waits): the slowdown to charge now and the training time it leaves to earn on (an
         interval kept for want of a baseline earns nothing until one exists). An interval
-        ``setting_up`` the tier while saves are in flight is charged nothing and earns at
-        most the baseline; one with none in flight is a quiet interval as any other."""
+        ``setting_up`` the tier while saves are in flight is charged only beyond
+        SETUP_SLOWDOWN baselines and earns at most the baseline; one with none in flight is a
+        quiet interval as any other."""
         flights = [f for f in self._flying if f.done_at is None or f.done_at > start]
         landed, self._landed = self._landed, [f.handle for f in flights
                                               if f.done_at is not None and f.done_at <= end]
-        if setting_up and flights:  # slowed by the set-up too: charged to no save
-            if len(self._quiet) >= QUIET_MIN:
-                return 0.0, min(training_s, self.baseline())
-            self._setting_up.append(training_s)
-            return 0.0, 0.0
         if not flights and landed:
             return self._overlap((training_s, 0.0, landed))  # only shorter counts: ran 0
         if not flights:
@@ -184,10 +186,17 @@ class Drag:
             pending, self._pending = self._pending + [(training_s, 0.0, [])], []
             charged = [(self._charge(*p), p[0]) for p in pending]
             set_up, self._setting_up = self._setting_up, []
-            return (sum(c for c, _ in charged), sum(t - c for c, t in charged)
-                    + sum(min(t, self.baseline()) for t in set_up))
+            settled = [self._set_up(*o) for o in set_up]
+            return (sum(c for c, _ in charged) + sum(c for c, _ in settled),
+                    sum(t - c for c, t in charged) + sum(e for _, e in settled))
         ran = max(end if f.done_at is None else min(f.done_at, end) for f in flights) - start
-        return self._overlap((training_s, max(0.0, ran - waited_s), [f.handle for f in flights]))
+        overlap = (training_s, max(0.0, ran - waited_s), [f.handle for f in flights])
+        if setting_up:  # slowed by the set-up too
+            if len(self._quiet) >= QUIET_MIN:
+                return self._set_up(*overlap)
+            self._setting_up.append(overlap)
+            return 0.0, 0.0
+        return self._overlap(overlap)
 
     def baseline(self) -> float:
         """The median of the recent quiet intervals (0.0 until QUIET_MIN were seen)."""
@@ -195,7 +204,8 @@ class Drag:
 
     def over(self, now: float) -> list[SaveHandle]:
         """The saves whose commit was done by ``now`` and whose slowdown is all charged."""
-        owed = {id(h) for p in self._pending for h in p[2]} | {id(h) for h in self._landed}
+        owed = ({id(h) for p in [*self._pending, *self._setting_up] for h in p[2]}
+                | {id(h) for h in self._landed})
         over = [f for f in self._flying if f.done_at is not None and f.done_at <= now
                 and id(f.handle) not in owed]
         self._flying = [f for f in self._flying if f not in over]
@@ -208,6 +218,16 @@ class Drag:
             return 0.0, 0.0
         slowdown = self._charge(*overlap)
         return slowdown, overlap[0] - slowdown
+
+    def _set_up(self, training_s: float, ran_s: float,
+                handles: list[SaveHandle]) -> tuple[float, float]:
+        """Charge an interval of the tier's set-up beyond SETUP_SLOWDOWN baselines (at most
+        ``ran_s``) to ``handles``: the charge, and the training time it earns on (at most a
+        baseline's)."""
+        extra = max(0.0, min(training_s - SETUP_SLOWDOWN * self.baseline(), ran_s))
+        for handle in handles:
+            handle.figures.cost_s = _cost(handle) + extra / len(handles)
+        return extra, min(training_s - extra, self.baseline())
 
     def _charge(self, training_s: float, ran_s: float, handles: list[SaveHandle]) -> float:
         """Charge an interval's excess over the baseline (at most ``ran_s``; negative where it

@@ -26,7 +26,7 @@ from helpers.tiers import HoldWrites
 
 from dcp_datastates import CheckpointManager, guard
 from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.budget import QUIET_MIN, Account, Budget
+from dcp_datastates.tiers.budget import QUIET_MIN, SETUP_SLOWDOWN, Account, Budget
 from dcp_datastates.tiers.handles import SaveHandle
 from dcp_datastates.tiers.ranks import Ranks
 
@@ -376,11 +376,12 @@ class SettingUp:
 
 
 def _taken_with_a_slow_start(clock: FakeClock, slow: bool, flagged: bool, set_up: int = 20,
-                             factor: float = 4) -> list[SaveHandle]:
+                             factor: float = 4, stall: tuple[int, float] | None = None
+                             ) -> list[SaveHandle]:
     """A save asked for at every step of 60, each costing COST_S in its call; while the tier
     is set up (the first ``set_up`` steps, ``slow``) every step takes ``factor`` x STEP_S and
     the first save's commit waits for its slot (until step 20). ``flagged``: the pool says it
-    is being set up."""
+    is being set up. ``stall``: (step, seconds) the training thread waits at that step."""
     budget = Budget(BUDGET, clock, Ranks(0, 1, None), [])
     pool = SettingUp(flagged)
     first: Future = Future()
@@ -388,6 +389,8 @@ def _taken_with_a_slow_start(clock: FakeClock, slow: bool, flagged: bool, set_up
     for step in range(60):
         setting_up = slow and step < set_up
         clock.now += STEP_S * (factor if setting_up else 1)
+        if stall is not None and step == stall[0]:
+            clock.now += stall[1]
         pool.on = setting_up
         if step == 20 and not first.done():
             first.set_result(None)
@@ -425,6 +428,20 @@ def test_a_set_up_that_outlasts_the_first_saves_does_not_starve_the_budget(
     steady = _taken_with_a_slow_start(FakeClock(), slow=False, flagged=True)
     start = _taken_with_a_slow_start(clock, slow=True, flagged=True, set_up=60, factor=1.05)
     assert abs(len(start) / len(steady) - 1) <= 0.2, (len(start), len(steady))
+
+
+def test_a_stall_while_the_tier_is_set_up_is_charged_beyond_the_set_ups_slowdown(
+        clock: FakeClock) -> None:
+    """The set-up slows the loop by a few times at most; a step that waits far longer while a
+    save is in flight (a caller waiting for its commit) is charged to that save beyond
+    SETUP_SLOWDOWN baselines, and the account then skips the saves it cannot pay for."""
+    wait_s = 40 * STEP_S
+    start = _taken_with_a_slow_start(clock, slow=True, flagged=True, stall=(5, wait_s))
+    expected = COST_S + (4 * STEP_S + wait_s) - SETUP_SLOWDOWN * STEP_S
+    assert start[0].figures.cost_s == pytest.approx(expected)
+    assert [h.step for h in start] == [0]
+    no_stall = _taken_with_a_slow_start(FakeClock(), slow=True, flagged=True)
+    assert no_stall[0].figures.cost_s == COST_S and len(no_stall) > 10, len(no_stall)
 
 
 def test_skipped_saves_make_no_slots(tiers: Tiers, clock: FakeClock,
