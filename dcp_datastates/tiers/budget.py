@@ -28,10 +28,12 @@ save in flight overlaps is not charged to it up to SETUP_SLOWDOWN baselines, and
 typical interval does (the baseline's, once known), so a one-time start-up cost neither starves
 the account nor pays for a burst of saves; beyond that, the interval waited on something no
 set-up explains (a caller's wait for a commit, say), and the excess is charged to the saves in
-flight as always. One that no save overlaps is a quiet interval like any other (the set-up runs
-on other threads, and a set-up that lasts longer than the first intervals must not leave the
-loop without a baseline: no save but the first would be paid for). A save's call and the
-guard's waits for its snapshot are charged as always.
+flight as always (a wait outside the guard that leaves the interval within SETUP_SLOWDOWN
+baselines is charged to no save; a baseline measured during the set-up is slowed by it too).
+One that no save overlaps is a quiet interval like any other (the set-up runs on other threads,
+and a set-up that lasts longer than the first intervals must not leave the loop without a
+baseline: no save but the first would be paid for). A save's call and the guard's waits for its
+snapshot are charged as always.
 
 A save is skipped at once (nothing staged, nothing written) when the account cannot pay for it,
 when the previous save's snapshot is still copying (taking it would make the guard wait on the
