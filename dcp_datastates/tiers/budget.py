@@ -71,8 +71,10 @@ QUIET_KEPT = 32
 #: before it look slow (a first save was charged several times its real cost).
 QUIET_MIN = 3
 #: How many baselines an interval of the tier's set-up may take with a save in flight before
-#: the excess is charged to the save (the set-up slows the loop; it does not stall it).
-SETUP_SLOWDOWN = 4
+#: the excess is charged to the save (the set-up slows the loop; it does not stall it). Past
+#: it the account starves if a set-up ever slows the loop that much, so it is set well above
+#: the slowdowns seen (RESULTS.md), and still far below a wait of seconds for a commit.
+SETUP_SLOWDOWN = 8
 #: Why a save is skipped, by precedence (an all-reduce keeps the highest of the ranks').
 OVER_BUDGET, NO_SLOT, COPYING = 1, 2, 3
 #: What a rank says of another rank's reason.
