@@ -229,8 +229,7 @@ class Drag:
         ``ran_s``) to ``handles``: the charge, and the training time it earns on (at most a
         baseline's)."""
         extra = max(0.0, min(training_s - SETUP_SLOWDOWN * self.baseline(), ran_s))
-        for handle in handles:
-            handle.figures.cost_s = _cost(handle) + extra / len(handles)
+        _share(extra, handles)
         return extra, min(training_s - extra, self.baseline())
 
     def _charge(self, training_s: float, ran_s: float, handles: list[SaveHandle]) -> float:
@@ -239,8 +238,7 @@ class Drag:
         if not handles:
             return 0.0
         extra = min(training_s - self.baseline(), ran_s)
-        for handle in handles:
-            handle.figures.cost_s = _cost(handle) + extra / len(handles)
+        _share(extra, handles)
         return extra
 
 
@@ -347,6 +345,12 @@ class Budget:
         self.account.spend(cost_s)
         if open_figures and self._open is not None:
             self._open.figures.cost_s = _cost(self._open) + cost_s
+
+
+def _share(cost_s: float, handles: list[SaveHandle]) -> None:
+    """Add ``cost_s`` to the costs of ``handles`` (saves the budget tracks), in equal parts."""
+    for handle in handles:
+        handle.figures.cost_s = _cost(handle) + cost_s / len(handles)
 
 
 def _cost(handle: SaveHandle) -> float:
