@@ -499,6 +499,13 @@ class TorchtitanAPI:
                 model_parts=model_parts)
         return optimizers, LRSchedulersContainer(optimizers, lr_lambda)
 
+    def load_replica_state(self, manager: Any) -> None:
+        """Load a torchft replica's own state (0.2.x: its dataloader, saved apart in
+        ``ft-replicat-<r>`` and left out of the shared checkpoint), as torchtitan's load does
+        first."""
+        if self.legacy and getattr(manager, "enable_ft_dataloader_checkpoints", False):
+            manager._ft_load()
+
     def wait_for_saving(self, manager: Any) -> None:
         """Wait for the manager's save in flight as torchtitan does before the next save."""
         if not getattr(manager, "enable", False):
@@ -684,6 +691,7 @@ if TORCHTITAN.manager is not None:
             folder = step_dir(Path(self.folder).absolute(), step)
             if step == 0 or (folder.is_dir() and not is_datastates_checkpoint(folder)):
                 return stock(self, step)  # a seed checkpoint, or one stock torchtitan wrote
+            TORCHTITAN.load_replica_state(self)
             states = self._states_to_load(model_only=False)
             tiers.load(states, step)
             if MODEL in self.states:  # as torchtitan does: the model's entries are flattened

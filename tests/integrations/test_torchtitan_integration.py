@@ -748,6 +748,52 @@ def test_memory_tier_leaves_saves_outside_the_folder_to_the_writer(one_rank: Non
     manager.close()
 
 
+class OneReplicaFT:
+    """Stands in for torchft's ``FTManager`` as torchtitan 0.2.x's manager uses it: replica 0
+    of a fault-tolerant job, the one that writes the shared checkpoints."""
+
+    enabled, replica_id = True, 0
+
+    def __init__(self) -> None:
+        self.manager = self
+
+    def set_state_dict_fns(self, load: object, save: object) -> None:
+        pass
+
+    def participating_rank(self) -> int:
+        return 0
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.skipif(not TORCHTITAN.legacy, reason="torchft's per-replica saves are 0.2.x's")
+def test_memory_tier_restores_the_torchft_replica_dataloader(one_rank: None, tmp_path: Path,
+                                                             shm: Path, engine: Engine) -> None:
+    """With torchft, each replica's dataloader is saved apart (``ft-replicat-<r>``) and left
+    out of the shared checkpoint; a restart from the memory tier loads it from there, as
+    torchtitan's own load does."""
+    def replica(run: Run) -> CheckpointManager:
+        return run.manager(tmp_path, "async", cls=DataStatesCheckpointManager,
+                           build_args={"engine": engine, "ft_manager": OneReplicaFT()},
+                           memory_tier=True, memory_dir=str(shm),
+                           enable_ft_dataloader_checkpoints=True)
+
+    run = Run(seed=0)
+    manager = replica(run)
+    for step in range(1, 5):
+        run.step(step, manager)
+        manager.save(step)
+    manager.datastates.tiers.wait()
+    saved = run.snapshot()
+    manager.close()
+    again = Run(seed=1)
+    other = replica(again)
+    assert other.load()
+    assert again.train_state.step == 4
+    assert again.dataloader.step == 40, "the replica's dataloader was not restored"
+    assert differences(again.snapshot(), saved, "step 4") == []
+    other.close()
+
+
 # -- several ranks (mpirun) ----------------------------------------------------------------------
 @pytest.mark.mpi
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
