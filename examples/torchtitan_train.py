@@ -6,14 +6,14 @@
 ``--mode`` is ``none``, ``stock``, ``enable`` or ``tiers`` (see ``torchtitan_config.py``);
 ``--flavor`` a llama3 flavour (``debugmodel``, ``1B``, ``3B``, ...; 0.2.x gets 0.3's ``1B`` and
 ``3B`` from ``torchtitan_config_02.py``); ``--attention`` its attention backend (``flex``, the
-default; ``sdpa`` with 0.2.x; ``varlen`` with 0.3 on CUDA); ``--dump_folder`` torchtitan's
-output folder (``--job.dump_folder`` in 0.2.x). Every other argument goes to torchtitan's
-command line as is (``--training.steps``, ``--checkpoint.interval``, ``--checkpoint.keep_latest_k``,
-``--checkpoint.memory_dir``, ``--parallelism.data_parallel_shard_degree``,
-``--comm.init_timeout_seconds``, ...). Run it again with the same arguments and it resumes from
-the newest checkpoint in ``--dump_folder``. Started without torchrun it runs as one rank (the
-environment of ``torchrun --standalone --nproc-per-node 1``); under torchrun, on every rank
-torchrun starts.
+default, ``sdpa`` with ``--cpu``; ``sdpa`` with 0.2.x; ``varlen`` with 0.3 on CUDA);
+``--dump_folder`` torchtitan's output folder (``--job.dump_folder`` in 0.2.x). Every other argument
+goes to torchtitan's command line as is (``--training.steps``, ``--checkpoint.interval``,
+``--checkpoint.keep_latest_k``, ``--checkpoint.memory_dir``,
+``--parallelism.data_parallel_shard_degree``, ``--comm.init_timeout_seconds``, ...). Run it again
+with the same arguments and it resumes from the newest checkpoint in ``--dump_folder``. Started
+without torchrun it runs as one rank (the environment of ``torchrun --standalone --nproc-per-node
+1``); under torchrun, on every rank torchrun starts.
 
 Both torchtitan releases the adapter supports run, each through its own entry:
 
@@ -66,10 +66,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--flavor", default="debugmodel", help="llama3 flavour")
-    parser.add_argument("--attention", default="flex", choices=("flex", "sdpa", "varlen"))
+    parser.add_argument("--attention", choices=("flex", "sdpa", "varlen"),
+                        help="flex (sdpa with --cpu: flex has no backward on the CPU)")
     parser.add_argument("--dump_folder", default="./outputs", help="torchtitan's output folder")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU (gloo)")
-    return parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    args.attention = args.attention or ("sdpa" if args.cpu else "flex")
+    return args, rest
 
 
 def committed_steps(folder: Path) -> set[int]:

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
-from torchtitan_train import legacy_release, stand_ins_for_missing_packages  # noqa: E402
+from torchtitan_train import legacy_release, parse, stand_ins_for_missing_packages  # noqa: E402
 
 stand_ins_for_missing_packages()
 pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is not installed")
@@ -63,3 +63,11 @@ def test_trainer_resumes_after_sigkill_with_the_same_losses(reference: Outcome, 
     assert result["steps_compared"] >= 1
     if mode == "tiers":
         assert tuple(result["restored_from"]) == (result["newest_committed"], "memory"), result
+
+
+def test_cpu_runs_default_to_the_attention_that_trains_there() -> None:
+    """flex attention has no backward on the CPU: ``--cpu`` without ``--attention`` takes sdpa
+    (the trainer failed at its first step otherwise)."""
+    assert parse(["--mode", "none", "--cpu"])[0].attention == "sdpa"
+    assert parse(["--mode", "none"])[0].attention == "flex"
+    assert parse(["--mode", "none", "--cpu", "--attention", "flex"])[0].attention == "flex"
