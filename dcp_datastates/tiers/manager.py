@@ -310,12 +310,13 @@ class CheckpointManager:
             raise RuntimeError(f"CheckpointManager of {self.memory} is closed: {what}")
 
     def close(self) -> None:
-        """Wait for every save, persist the newest if the durable tier lacks it, then stop
-        the manager's threads (the engine stays) and give up the claims of the tier
-        directories. Raises the first error of the saves that nothing raised yet (neither
-        ``wait()`` nor ``handle.result()``), or of that last persist, after all that: a save
-        that failed on some ranks only must not keep them out of the collective that the
-        others are in. Closing again does nothing; every other method raises RuntimeError."""
+        """Wait for every save, persist the newest if the durable tier lacks it, drop what
+        failed saves left in the memory tier, then stop the manager's threads (the engine
+        stays) and give up the claims of the tier directories. Raises the first error of the
+        saves that nothing raised yet (neither ``wait()`` nor ``handle.result()``), or of that
+        last persist, after all that: a save that failed on some ranks only must not keep them
+        out of the collective that the others are in. Closing again does nothing; every other
+        method raises RuntimeError."""
         if self._closed:
             return
         self._closed = True
@@ -324,6 +325,7 @@ class CheckpointManager:
             if self._persister is not None:
                 self._persister.leftover(self._restorer.views(), "the newest checkpoint")
             self._drain()
+            self._retention.drop_unfinished()
         finally:
             self._stop()
         self._reports.raise_first(unraised_only=True)

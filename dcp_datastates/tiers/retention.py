@@ -98,6 +98,13 @@ class Retention:
         for s in drop:
             self.drop(root, s)
 
+    def drop_unfinished(self) -> None:
+        """Drop this rank's memory steps that have no commit (saves that failed), their data
+        files with them; only once no save of this manager is in flight (at its close)."""
+        for s in steps(self.memory):
+            if not committed(step_dir(self.memory, s)):
+                self.drop(self.memory, s, reuse_slot=False)
+
     def drop(self, root: Path, step: int, *, reuse_slot: bool = True) -> bool:
         """Remove ``step`` from the tier ``root``; from this rank's memory tier only if it is
         not being read nor the newest sent, and its data file goes back to being a free slot

@@ -35,6 +35,7 @@ from dcp_datastates import (
     TierFullError,
 )
 from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates.tiers.claims import LOCK_NAME
 from dcp_datastates.tiers.manager import HISTORY_KEPT
 
 MiB = 1 << 20
@@ -268,6 +269,35 @@ def test_a_failed_memory_commit_is_logged_naming_its_step_and_tier(
             manager.save(2, make_state(2)).result(timeout=30)
         assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
         assert steps_in(tiers.memory) == [2]
+    finally:
+        engine.close()
+        io.close()
+
+
+def test_a_failed_save_leaves_nothing_in_the_memory_tier_after_close(tiers: Tiers) -> None:
+    """The newest save fails after its slot became its data file: once the manager closes,
+    its step directory and data file are gone from the memory tier (no orphan holding node
+    memory), and the step committed before is left whole."""
+    io = FailFsync(ThreadPoolBackend(), tiers.memory)
+    engine = Engine(io_backend=io, host_cache_size="8MiB", io_workers=4)
+    state = make_state(1, big=MiB)
+    try:
+        manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
+                                    engine=engine)
+        try:
+            manager.save(1, state).result(timeout=30)
+            io.failing = True
+            with pytest.raises(OSError, match="injected EIO"):
+                manager.save(2, make_state(2, big=MiB)).result(timeout=30)
+            assert (tiers.memory / "step_2").is_dir()  # what the failed save left, until close
+        finally:
+            io.failing = False
+            manager.close()
+        assert sorted(p.name for p in tiers.memory.glob("step_*")) == ["step_1"]
+        left = [p.name for p in tiers.memory.rglob("*")
+                if p.is_file() and "step_1" not in p.relative_to(tiers.memory).parts]
+        assert left == [LOCK_NAME], left  # no slot, no data file of step 2
+        assert_state_equal(load_into(state, tiers.memory / "step_1"), state)
     finally:
         engine.close()
         io.close()
