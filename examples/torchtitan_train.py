@@ -185,7 +185,7 @@ class RunSummary:
     """Mixin for torchtitan's ``Trainer``: notes the checkpoints committed to the folder as
     they come (``keep_latest_k`` purges old ones) and prints one JSON line ``{"summary": ...}``
     once the trainer has closed: step times, the checkpoints taken (saves due at the interval
-    and the last step, less those the memory tier's overhead budget skipped) and persisted
+    and the last step; with the memory tier, those it committed) and persisted
     (committed to the folder). Call ``summarize(...)`` at the end of ``__init__``."""
 
     def summarize(self, mode: str, folder: Path, interval: int | None) -> None:
@@ -201,14 +201,18 @@ class RunSummary:
         return out
 
     def taken(self, first: int | None) -> tuple[list[int], list[int]]:
-        """The steps from ``first`` on whose checkpoint was taken, and those skipped."""
+        """The steps from ``first`` on whose checkpoint was taken, and those the memory tier's
+        overhead budget skipped (a save the tier had no room for is neither)."""
         if self.summary_interval is None or first is None:
             return [], []
         due = {s for s in range(first, self.step + 1) if s % self.summary_interval == 0}
-        due.add(self.step)  # the last step's (the loop's end)
         tiers = self.summary_tiers
-        skipped = {f.step for f in tiers.history if f.skipped} if tiers is not None else set()
-        return sorted(due - skipped), sorted(due & skipped)
+        if tiers is None:
+            return sorted(due | {self.step}), []
+        committed = {f.step for f in tiers.history if not f.skipped}
+        skipped = {f.step for f in tiers.history if f.skipped}
+        # the last step's checkpoint is written straight to the folder, not through the tier
+        return sorted((due & committed) | {self.step}), sorted(due & skipped)
 
     def close(self) -> None:
         super().close()

@@ -71,3 +71,16 @@ def test_cpu_runs_default_to_the_attention_that_trains_there() -> None:
     assert parse(["--mode", "none", "--cpu"])[0].attention == "sdpa"
     assert parse(["--mode", "none"])[0].attention == "flex"
     assert parse(["--mode", "none", "--cpu", "--attention", "flex"])[0].attention == "flex"
+
+
+def test_summary_counts_a_save_the_tier_had_no_room_for_as_not_taken(
+        reference: Outcome, tmp_path: Path) -> None:
+    """With a memory tier too small for any checkpoint, the interval saves fail (logged,
+    training goes on) and the summary names only the last step's, written straight to the
+    folder, as taken."""
+    spec = Spec("tiers", **{**RUN, "extra": [*RUN["extra"], "--checkpoint.memory_limit", "1MiB"]})
+    out = run(spec.command(tmp_path / "run", tmp_path / "memory"), tmp_path / "log")
+    assert out.rc == 0 and out.summary is not None, "\n".join(out.tail)
+    assert out.summary["checkpoints_taken"] == [RUN["steps"]], out.summary
+    assert out.summary["checkpoints_skipped"] == [], out.summary
+    assert out.losses == reference.losses
