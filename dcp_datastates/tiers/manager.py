@@ -45,7 +45,7 @@ from .ranks import Ranks
 from .replicator import Replicator
 from .reports import Reports
 from .restore import Restorer, held, pick
-from .retention import ABANDONED, Retention
+from .retention import ABANDONED, Retention, drop_orphaned_steps
 from .slots import SlotPool
 from .steps import remove_dead_unfinished
 from .unclosed import Unclosed, warn_unpersisted
@@ -64,7 +64,9 @@ class CheckpointManager:
             checkpoints in memory only.
         memory_dir: this rank's memory tier; default
             ``/dev/shm/dcp_datastates-<uid>/<durable_dir's last names>-<hash>/rank_<rank>``
-            (made 0700). Give every rank of a node its own directory (the default does).
+            (made 0700). Give every rank of a node its own directory (the default does). The
+            default's steps are dropped (logged) where no manager has held ``durable_dir``
+            before (its lock file is missing): its run was removed to start over.
         keep_memory: memory-tier checkpoints kept (plus the one being written and one ready
             for the next save: size the tier for ``keep_memory + 2`` states, ``+ 3`` where
             saves pile up or a persist lags behind them; ``keep_memory + 2`` slots, as many
@@ -131,6 +133,9 @@ class CheckpointManager:
                                   persists=self.persist_policy is not None)
         try:
             remove_dead_unfinished(self.memory)  # only its holder cleans a tier
+            if self._claims.durable_new and memory_dir is None and self.durable is not None:
+                # the default memory tier is named after the durable one: a run started over
+                drop_orphaned_steps(self.memory, self.durable, self.world)
             self._wire()
             # the engine's close finishes it: exit too
             self._unclosed = Unclosed.track(self.engine, self._finish_unclosed)
@@ -325,7 +330,7 @@ class CheckpointManager:
             if self._persister is not None:
                 self._persister.leftover(self._restorer.views(), "the newest checkpoint")
             self._drain()
-            self._retention.drop_unfinished()
+            self._saver.drop_failed()
         finally:
             self._stop()
         self._reports.raise_first(unraised_only=True)

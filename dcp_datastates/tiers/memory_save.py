@@ -59,6 +59,7 @@ class MemorySaver:
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager-upload")
         #: plans the saves (one at a time, on the upload thread), reusing the last plans
         self.planner = ReusingPlanner()
+        self._failed: set[int] = set()  # steps whose latest save here failed
 
     def start(self, step: int, state: dict, start: float,
               slot: Slot | NextSlot | None) -> SaveHandle:
@@ -169,12 +170,21 @@ class MemorySaver:
         if slot is not None:
             assert self.slots is not None  # a slot comes from slots
             self.slots.settle(slot, step_dir(self.memory, handle.step), ok)
+        (self._failed.discard if ok else self._failed.add)(handle.step)
         if ok:
             handle.figures.memory_s = time.perf_counter() - start
             self.history.append(handle.figures)
             self.retention.retain(self.memory, self.keep)
         if self.replicator is not None:
             self.replicator.committed(handle)
+
+    def drop_failed(self) -> None:
+        """Drop what the saves that failed here left in the tier (their step directories and
+        data files), once no save is in flight: at the manager's close."""
+        failed, self._failed = sorted(self._failed), set()
+        for step in failed:
+            if not committed(step_dir(self.memory, step)):
+                self.retention.drop(self.memory, step, reuse_slot=False)
 
     def close(self) -> None:
         """Wait for the saves started, and stop the upload thread."""

@@ -41,6 +41,21 @@ log = logging.getLogger("dcp_datastates")
 ABANDONED = ".abandoned"
 
 
+def drop_orphaned_steps(memory: Path, durable: Path, world: int) -> None:
+    """Drop the steps of the memory tier ``memory`` and of the replicas it holds: they were
+    saved for the durable tier ``durable``, which no manager had claimed before this one (it
+    was removed: the run started over), so none of them is a checkpoint of this run. Logged."""
+    for root in [memory, *(replica.replica_root(memory, r) for r in range(world))]:
+        found = steps(root)
+        if not found:
+            continue
+        for s in found:
+            remove_step(step_dir(root, s))
+        log.warning("dcp_datastates: memory tier %s: step(s) %s dropped: the durable tier %s "
+                    "they were saved for is new (removed: the run starts over)", root,
+                    ", ".join(map(str, found)), durable)
+
+
 class Retention:
     """Keeps the tiers of one rank (its memory tier ``memory``, the replicas it holds, the
     durable tier ``durable``) to their sizes; ``slots``: the memory tier's slot pool, if any."""
@@ -97,13 +112,6 @@ class Retention:
             s in done[:-keep] or (s < newest and s not in done))]
         for s in drop:
             self.drop(root, s)
-
-    def drop_unfinished(self) -> None:
-        """Drop this rank's memory steps that have no commit (saves that failed), their data
-        files with them; only once no save of this manager is in flight (at its close)."""
-        for s in steps(self.memory):
-            if not committed(step_dir(self.memory, s)):
-                self.drop(self.memory, s, reuse_slot=False)
 
     def drop(self, root: Path, step: int, *, reuse_slot: bool = True) -> bool:
         """Remove ``step`` from the tier ``root``; from this rank's memory tier only if it is
