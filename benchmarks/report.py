@@ -40,6 +40,7 @@ TABLES = {
     "bench_training_h100_8g_idiom": ("training steps",),
     "bench_torchtitan_h100": ("torchtitan llama3", "Resume after SIGKILL"),
     "bench_torchtitan_2xh100": ("torchtitan llama3", "Resume after SIGKILL"),
+    "bench_torchtitan_2xh100_resume": ("Resume after SIGKILL",),
     "bench_torchtitan_h100_resume": ("torchtitan llama3", "Resume after SIGKILL"),
     "bench_training_h100": ("GPT",),
 }
