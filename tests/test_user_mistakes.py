@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,6 @@ from helpers import (
     MARKS,
     Tiers,
     assert_state_equal,
-    blank_like,
     data_files,
     load_into,
     raises_in_dcp,
@@ -201,38 +199,6 @@ def test_the_default_memory_tier_is_named_after_its_durable_dir() -> None:
     assert a.parent.name.startswith("ckpt_run1-") and b.parent.name.startswith("ckpt_run1-")
     assert a != b
     assert _default_memory_dir(Path("/"), 0).parent.name.isalnum()
-
-
-def test_removing_the_durable_dir_starts_the_default_memory_tier_over(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """``rm -rf`` of a run's durable_dir to start over: its default memory tier (named after
-    it) still holds the run's steps, and the next manager drops them (logged), so nothing
-    stale is loaded and step 1 may be saved again. A restart that finds durable_dir (a crash
-    before any persist: the manager made it at its start) still takes the steps in memory."""
-    durable = tmp_path / "ckpt" / "run1"
-    root = _default_memory_dir(durable, 0).parent
-    try:
-        with CheckpointManager(durable) as first:
-            for step in (1, 2):
-                first.save(step, state(step)).result(timeout=60)
-        for step in committed_steps(durable):  # as if no persist had run
-            shutil.rmtree(durable / f"step_{step}")
-        with CheckpointManager(durable, persist=None) as again:
-            assert again.latest_step() == 2
-            blank = blank_like(state(2))
-            again.load(blank)
-            assert_state_equal(blank, state(2))
-        shutil.rmtree(durable)
-        with caplog.at_level(logging.WARNING, logger="dcp_datastates"):
-            with CheckpointManager(durable) as fresh:
-                assert fresh.latest_step() is None
-                fresh.save(1, state(3)).result(timeout=60)
-                assert fresh.latest_step() == 1
-        assert (f"memory tier {root / 'rank_0'}: step(s) 1, 2 dropped: the durable tier "
-                f"{durable} they were saved for is new") in caplog.text
-        assert_state_equal(load_into(state(3), durable / "step_1"), state(3))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_persist_cli_creates_missing_parents_when_asked(tiers: Tiers, capsys) -> None:

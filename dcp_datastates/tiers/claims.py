@@ -159,15 +159,12 @@ def claimed_durable(directory: Path) -> Iterator[None]:
 class TierClaims:
     """This rank's memory tier and (rank 0's) the job's durable tier, checked and claimed
     collectively: where any rank cannot, every rank raises that rank's error. ``persists``:
-    the manager writes the durable tier (else it may be read-only, and is then not claimed).
-    ``durable_new``: no manager had claimed the durable tier before (its lock file, which
-    stays, was missing on rank 0): a tier made anew, or removed and made again."""
+    the manager writes the durable tier (else it may be read-only, and is then not claimed)."""
 
     def __init__(self, memory: Path, durable: Path | None, ranks: Ranks, *,
                  persists: bool) -> None:
         self._held: list[TierClaim] = []
         error: Exception | None = None
-        claimed_before = durable is None or not persists or (durable / LOCK_NAME).exists()
         try:
             _ready_tier(memory, "memory tier", MEMORY_MODE, required=True)
             self._held.append(_claim_tier(memory, "memory tier", MANAGER))
@@ -176,9 +173,7 @@ class TierClaims:
                 self._held.append(_claim_tier(durable, "durable tier", MANAGER))
         except (CheckpointError, OSError) as exc:  # every rank must reach the gather
             error = exc
-        gathered = ranks.gather((None if error is None else str(error), claimed_before))
-        errors = [e for e, _ in gathered]
-        self.durable_new = not gathered[0][1]  # rank 0's: the rank that claims it
+        errors = ranks.gather(None if error is None else str(error))
         failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
         if failed is not None:
             self.release()

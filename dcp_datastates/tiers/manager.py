@@ -45,7 +45,7 @@ from .ranks import Ranks
 from .replicator import Replicator
 from .reports import Reports
 from .restore import Restorer, held, pick
-from .retention import ABANDONED, Retention, drop_orphaned_steps
+from .retention import ABANDONED, Retention
 from .slots import SlotPool
 from .steps import remove_dead_unfinished
 from .unclosed import Unclosed, warn_unpersisted
@@ -64,9 +64,7 @@ class CheckpointManager:
             checkpoints in memory only.
         memory_dir: this rank's memory tier; default
             ``/dev/shm/dcp_datastates-<uid>/<durable_dir's last names>-<hash>/rank_<rank>``
-            (made 0700). Give every rank of a node its own directory (the default does). The
-            default's steps are dropped (logged) where no manager has held ``durable_dir``
-            before (its lock file is missing): its run was removed to start over.
+            (made 0700). Give every rank of a node its own directory (the default does).
         keep_memory: memory-tier checkpoints kept (plus the one being written and one ready
             for the next save: size the tier for ``keep_memory + 2`` states, ``+ 3`` where
             saves pile up or a persist lags behind them; ``keep_memory + 2`` slots, as many
@@ -133,9 +131,6 @@ class CheckpointManager:
                                   persists=self.persist_policy is not None)
         try:
             remove_dead_unfinished(self.memory)  # only its holder cleans a tier
-            if self._claims.durable_new and memory_dir is None and self.durable is not None:
-                # the default memory tier is named after the durable one: a run started over
-                drop_orphaned_steps(self.memory, self.durable, self.world)
             self._wire()
             # the engine's close finishes it: exit too
             self._unclosed = Unclosed.track(self.engine, self._finish_unclosed)

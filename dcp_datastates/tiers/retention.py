@@ -41,21 +41,6 @@ log = logging.getLogger("dcp_datastates")
 ABANDONED = ".abandoned"
 
 
-def drop_orphaned_steps(memory: Path, durable: Path, world: int) -> None:
-    """Drop the steps of the memory tier ``memory`` and of the replicas it holds: they were
-    saved for the durable tier ``durable``, which no manager had claimed before this one (it
-    was removed: the run started over), so none of them is a checkpoint of this run. Logged."""
-    for root in [memory, *(replica.replica_root(memory, r) for r in range(world))]:
-        found = steps(root)
-        if not found:
-            continue
-        for s in found:
-            remove_step(step_dir(root, s))
-        log.warning("dcp_datastates: memory tier %s: step(s) %s dropped: the durable tier %s "
-                    "they were saved for is new (removed: the run starts over)", root,
-                    ", ".join(map(str, found)), durable)
-
-
 class Retention:
     """Keeps the tiers of one rank (its memory tier ``memory``, the replicas it holds, the
     durable tier ``durable``) to their sizes; ``slots``: the memory tier's slot pool, if any."""
