@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from .arguments import checked_keywords
 from .engine import Engine, default_engine
 from .format.directory import check_direct_io, checkpoint_path, is_url
+from .jobs.groups import Began, began_for
 from .jobs.ordering import CALLS
 from .jobs.save import SaveJob, new_save_job
 from .jobs.snapshot import SnapshotTarget
@@ -29,13 +30,15 @@ __all__ = ["DataStatesWriter"]
 
 
 def _ends_job_on_error(method: Callable) -> Callable:
-    """A storage step that fails ends its save: what the save holds is released at once."""
+    """A storage step that fails ends its save: what the save holds is released at once. A
+    save whose process group is gone fails at its next step."""
     call = CALLS.index(method.__name__)
 
     @functools.wraps(method)
     def wrapper(self: DataStatesWriter, *args: object, **kwargs: object) -> object:
         job = self._current(call)
         try:
+            job.check_group()
             return method(self, job, *args, **kwargs)
         except BaseException as exc:
             job.end(exc)
@@ -81,6 +84,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._staged = StagedSaves()
         self._running: dict[int, SaveJob] = {}  # thread ident -> its save
         self._last: SaveJob | None = None
+        self._made: Began | None = Began.here()  # a save it did not stage began then, or later
         if direct_io and self.path is not None:
             check_direct_io(self.path)
 
@@ -94,7 +98,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if job is not None:
             job.hand_off()
         state = self.__dict__.copy()
-        state.update(_engine=None, _staged=None, _running={}, _last=None, _target=None)
+        state.update(_engine=None, _staged=None, _running={}, _last=None, _target=None,
+                     _made=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -143,11 +148,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     # -- StorageWriter --------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Start a save: take the staged job it belongs to (or a new one), wait for its turn."""
+        """Start a save: take the staged job it belongs to (or a new one), wait for its turn;
+        refuse one whose process group is gone, before DCP's first collective of it."""
         job = self._staged.take()
         if job is None:  # a plain save: no snapshot, nothing for the training to wait for
             job = self._last = new_save_job(self.engine)
             job.staging.set()
+            job.began = began_for(self._made)
         self._running[threading.get_ident()] = job
         try:
             if checkpoint_id is not None:
@@ -157,6 +164,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if self.direct_io:
                 check_direct_io(job.directory)
             job.order.wait_turn(job)
+            job.check_group()
         except BaseException as exc:
             job.end(exc)
             raise
@@ -164,7 +172,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     @_ends_job_on_error
     def set_up_storage_writer(self, job: SaveJob, is_coordinator: bool, *args: object,
                               **kwargs: object) -> None:
-        job.set_up(is_coordinator)
+        job.is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta:
         job = self._running.get(threading.get_ident())

@@ -11,22 +11,16 @@ one is judged in one place: ``jobs/ordering.py``. The flush is ``jobs/flush.py``
 from __future__ import annotations
 
 import enum
-import inspect
 import logging
-import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -46,6 +40,7 @@ from ..stats import SaveStats
 from .commit import commit
 from .fence import StagingFence
 from .flush import write_data_file
+from .groups import Began, began_staging
 from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
 from .snapshot import (
     Snapshot,
@@ -132,7 +127,7 @@ class SaveJob:
         self.snapshot: Snapshot | None = None  # the staged snapshot (async saves)
         self.leases: list[Lease] = []
         self.writes = WriteWatch({})  # writes to the sources before their copies (async saves)
-        self.began_distributed = False  # staged for a save across several ranks
+        self.began: Began | None = None  # when, and under which process group (.groups)
         self._claim: DirectoryClaim | None = None
         self._lock = threading.RLock()
         self._ended = self._in_flight = False  # in flight: copies issued, not waited for
@@ -146,7 +141,7 @@ class SaveJob:
         event; the GPU copies run on the engine's staging thread.
         """
         self.tie.stager = threading.current_thread()
-        self.began_distributed = _staged_for_distributed_save()
+        self.began = began_staging()
         sources: list[torch.Tensor] = []
         dtensors: dict[int, DTensor] = {}
         try:
@@ -320,16 +315,11 @@ class SaveJob:
         unfinished is over."""
         self.order.run(self, CALLS.index("reset"))
 
-    def set_up(self, is_coordinator: bool) -> None:
-        """DCP starts the save's storage steps; refuse one that began under a process group
-        that is gone (DCP then saves each rank's part as a whole checkpoint of its own)."""
-        if self.began_distributed and not _distributed():
-            raise CheckpointError(
-                f"save {self.ticket}: the process group was destroyed while the save was in "
-                f"flight, so it could cover this rank's part only; it is not committed (a "
-                f"checkpoint there before is intact). Wait for the save's upload_completion "
-                f"before dist.destroy_process_group()")
-        self.is_coordinator = is_coordinator
+    def check_group(self) -> None:
+        """Raise if the process group the save began under is gone (:mod:`.groups`): DCP
+        would run it as each rank's own save, or on a group made since."""
+        if self.began is not None:
+            self.began.check(self.ticket)
 
     def checkpoint_directory(self) -> Path:
         """:attr:`directory`, which the storage writer sets before the save's steps use it."""
@@ -476,34 +466,3 @@ def _note_staged(stats: SaveStats, staged: list[torch.Tensor], overflow: int,
             "dcp_datastates: save %d: %s of the state did not fit in the host cache and was "
             "staged in pageable memory (slower); give the engine a larger host_cache_size",
             ticket, format_size(overflow))
-
-
-def _distributed() -> bool:
-    """Whether a process group of several ranks is up in this process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-_ASYNC_SAVE = inspect.unwrap(state_dict_saver.async_save).__code__
-
-
-def _staged_for_distributed_save() -> bool:
-    """Whether the snapshot staged now is for a save DCP runs across a process group of several
-    ranks: staged by ``dcp.async_save`` without ``no_dist`` while such a group is up. Others
-    (``no_dist=True``, a CheckpointManager's memory-tier saves) are each rank's own checkpoint,
-    whatever becomes of the group."""
-    if not _distributed():
-        return False
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code is not _ASYNC_SAVE:
-        frame = frame.f_back
-    if frame is None or frame.f_locals.get("no_dist", False):
-        return False
-    group = frame.f_locals.get("process_group") or dist.group.WORLD
-    if group is dist.group.WORLD and dist.get_backend(group) == "gloo":
-        warnings.warn(
-            "dcp.async_save runs its collectives on DCP's upload thread, here on the default "
-            "process group, which has gloo only: where the training's collectives use it too "
-            "(DDP on the CPU), the two can block each other for good. Make a group for "
-            "checkpoints once, on every rank (dist.new_group(backend=\"gloo\")), and pass it "
-            "as process_group= to dcp.async_save", RuntimeWarning, stacklevel=2)
-    return True
