@@ -54,7 +54,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     Make one per save, as DCP does (``storage_writer=DataStatesWriter()``): it holds no memory
     and costs nothing; the host cache, streams and I/O live in the engine. As an AsyncStager it
     snapshots the state on the engine's staging thread, so ``dcp.async_save`` returns at once
-    and its ``staging_completion`` tells when training may change the state again.
+    and its ``staging_completion`` tells when training may change the state again. A save
+    staged by another stager began, for this writer, when it was made (``jobs/groups.py``).
 
     Args:
         path: checkpoint directory; may instead be given as ``checkpoint_id`` to ``dcp.save``.

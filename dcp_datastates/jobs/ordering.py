@@ -24,6 +24,9 @@ or when it is *abandoned*, which is judged here and nowhere else, by these rules
    :data:`UNTAKEN_GRACE_S` stops holding the line (and memory waits give up on it); only the
    writer's ``close()`` or the engine's frees it, since a late DCP save may still come.
 
+A save whose process group is gone is not judged here: each DCP call of it refuses it
+(``jobs/groups.py``, from the group it began under).
+
 Abandoned saves are ended by :meth:`SaveOrder.reap`: in the waits of this module, in the
 engine's memory waits, and every :data:`WATCH_S` by the order's watcher thread.
 """
