@@ -201,11 +201,13 @@ class Restorer:
             return
         steps = _listed(sorted({s for v in views for s, (n, _) in v["aside"].items() if n}))
         durable = self.durable if self.durable is not None else "<durable dir>"
+        none = (f"the durable tier {self.durable} holds none" if self.durable is not None
+                else "there is no durable tier (durable_dir=None)")
         raise WorldSizeChangedError(
             f"no tier holds {where} that this job of {self.ranks.world} rank(s) can load: the "
             f"memory tiers (this rank's: {self.memory}) hold step(s) {steps} saved by "
             f"{_listed(saved_by)} rank(s), each tier one rank's shards, which do not reshard, "
-            f"and the durable tier {self.durable} holds none. Persist them first (`python -m "
+            f"and {none}. Persist them first (`python -m "
             f"dcp_datastates persist <the memory tiers of every rank that saved them, e.g. "
             f"{self.memory.parent}> {durable}`): a durable checkpoint loads on any number of "
             f"ranks. Or restart on {_listed(saved_by)} rank(s)")
