@@ -13,6 +13,7 @@ from .errors import (
     StateDictMismatchError,
     TierFullError,
     UringUnavailable,
+    WorldSizeChangedError,
 )
 from .guard import guard
 from .reader import DataStatesReader
@@ -35,4 +36,5 @@ __all__ = [
     "StateDictMismatchError",
     "TierFullError",
     "UringUnavailable",
+    "WorldSizeChangedError",
 ]

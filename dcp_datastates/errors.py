@@ -13,6 +13,7 @@ __all__ = [
     "StateDictMismatchError",
     "TierFullError",
     "UringUnavailable",
+    "WorldSizeChangedError",
 ]
 
 
@@ -35,6 +36,12 @@ class DamagedStepError(CheckpointCorruptError):
 
 class TierFullError(CheckpointError):
     """The memory tier has no room for a checkpoint; nothing was written."""
+
+
+class WorldSizeChangedError(CheckpointError):
+    """A restart on another number of ranks finds its steps only in memory tiers written by the
+    earlier number (each holds one rank's shards, which do not reshard): they are to be persisted
+    first, as a durable checkpoint reshards."""
 
 
 class StateDictMismatchError(DataStatesError, RuntimeError, ValueError):

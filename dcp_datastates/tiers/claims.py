@@ -32,6 +32,7 @@ from ..errors import CheckpointError
 from ..format.directory import DirectoryClaim
 from .private import check_tier, writable
 from .ranks import Ranks
+from .steps import PRIVATE_MODE, make_private
 
 log = logging.getLogger("dcp_datastates")
 
@@ -44,7 +45,7 @@ TURN_WAIT_S = 0.1
 MANAGER = "another CheckpointManager"
 PERSIST_COMMAND = "a `python -m dcp_datastates persist` command"
 #: Modes of the tier directories a claim makes: memory tiers private, durable ones readable.
-MEMORY_MODE, DURABLE_MODE = 0o700, 0o755
+MEMORY_MODE, DURABLE_MODE = PRIVATE_MODE, 0o755
 
 
 class TierClaim(DirectoryClaim):
@@ -92,7 +93,10 @@ def _ready_tier(directory: Path, what: str, mode: int, *, required: bool) -> boo
     alone (False)."""
     if required:
         try:
-            directory.mkdir(parents=True, exist_ok=True, mode=mode)
+            if mode == MEMORY_MODE:
+                make_private(directory)
+            else:
+                directory.mkdir(parents=True, exist_ok=True, mode=mode)
         except OSError as exc:
             raise CheckpointError(f"{what} {directory} cannot be made: {exc}") from exc
     elif not directory.exists():
@@ -159,12 +163,16 @@ def claimed_durable(directory: Path) -> Iterator[None]:
 class TierClaims:
     """This rank's memory tier and (rank 0's) the job's durable tier, checked and claimed
     collectively: where any rank cannot, every rank raises that rank's error. ``persists``:
-    the manager writes the durable tier (else it may be read-only, and is then not claimed)."""
+    the manager writes the durable tier (else it may be read-only, and is then not claimed).
+    ``durable_new``: no manager had claimed the durable tier before (its lock file, which stays,
+    was missing on rank 0): a tier made anew, or removed and made again."""
 
     def __init__(self, memory: Path, durable: Path | None, ranks: Ranks, *,
                  persists: bool) -> None:
         self._held: list[TierClaim] = []
         error: Exception | None = None
+        self.durable_new = durable is not None and ranks.rank == 0 and not (
+            durable / LOCK_NAME).exists()  # rank 0's, the rank that claims it: gathered below
         try:
             _ready_tier(memory, "memory tier", MEMORY_MODE, required=True)
             self._held.append(_claim_tier(memory, "memory tier", MANAGER))
@@ -173,7 +181,9 @@ class TierClaims:
                 self._held.append(_claim_tier(durable, "durable tier", MANAGER))
         except (CheckpointError, OSError) as exc:  # every rank must reach the gather
             error = exc
-        errors = ranks.gather(None if error is None else str(error))
+        gathered = ranks.gather((None if error is None else str(error), self.durable_new))
+        errors = [e for e, _ in gathered]
+        self.durable_new = gathered[0][1]
         failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
         if failed is not None:
             self.release()

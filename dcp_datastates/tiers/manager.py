@@ -35,7 +35,7 @@ from ..format.directory import memory_backed
 from ..jobs.snapshot import layout, walk
 from ..sizes import parse_size
 from .budget import Budget, check_max_overhead
-from .claims import MEMORY_MODE, TierClaims
+from .claims import TierClaims
 from .handles import SaveFigures, SaveHandle
 from .local_dcp import plain
 from .memory_save import MemorySaver, state_bytes
@@ -47,7 +47,7 @@ from .reports import Reports
 from .restore import Restorer, held, pick
 from .retention import ABANDONED, Retention
 from .slots import SlotPool
-from .steps import remove_dead_unfinished
+from .steps import make_private, remove_dead_unfinished
 from .unclosed import Unclosed, warn_unpersisted
 
 log = logging.getLogger("dcp_datastates")
@@ -64,7 +64,10 @@ class CheckpointManager:
             checkpoints in memory only.
         memory_dir: this rank's memory tier; default
             ``/dev/shm/dcp_datastates-<uid>/<durable_dir's last names>-<hash>/rank_<rank>``
-            (made 0700). Give every rank of a node its own directory (the default does).
+            (made 0700). Give every rank of a node its own directory (the default does). A run
+            resuming from memory steps beside a new, empty ``durable_dir`` (removed to start
+            over?) warns, saying how to start over; one on another number of ranks loads the
+            durable tier instead (:mod:`.restore`).
         keep_memory: memory-tier checkpoints kept (plus the one being written and one ready
             for the next save: size the tier for ``keep_memory + 2`` states, ``+ 3`` where
             saves pile up or a persist lags behind them; ``keep_memory + 2`` slots, as many
@@ -111,6 +114,7 @@ class CheckpointManager:
         self.rank, self.world = ranks.rank, ranks.world
         self.durable = Path(os.path.expanduser(durable_dir)).absolute() if durable_dir else None
         self.memory = _memory_tier(memory_dir, self.durable, self.rank)
+        self._default_memory = not memory_dir
         self.keep_memory, self.keep_durable = keep_memory, keep_durable
         self.memory_limit = None if memory_limit is None else parse_size(
             memory_limit, name="memory_limit")
@@ -137,6 +141,7 @@ class CheckpointManager:
             self._timing = None if self._budget is None else self.engine.time_step_waits(
                 self._budget.wait)  # every optimizer step waits for the engine's snapshots
             views = self._restorer.views()
+            self._restorer.warn_new_durable(views)
             self._taken = held(views)  # steps some tier holds: a save of one replaces it
             if self._persister is not None:
                 self._persister.leftover(views, "committed in memory by an earlier process")
@@ -161,7 +166,7 @@ class CheckpointManager:
             self._retention, self.memory_limit, self.keep_memory, self._slots, self._ranks,
             self._replicator, self._engine_now, self.history)
         self._restorer = Restorer(self.memory, self.durable, self.replicate, self._ranks,
-                                  self._engine_now)
+                                  self._engine_now, self._start_over())
         self._persister: Persister | None = None
         if self.persist_policy is not None and self.durable is not None:  # set together
             self._persister = Persister(
@@ -169,6 +174,16 @@ class CheckpointManager:
                 keep=(self.keep_memory, self.keep_durable), ranks=self._ranks,
                 engine=self._engine_now, after=self._after.submit, history=self.history,
                 errors=self._reports)
+
+    def _start_over(self) -> str | None:
+        """Where the durable tier is new (no manager used it before), how to start over
+        instead of resuming from the memory tiers (None: it is not new)."""
+        if not self._claims.durable_new:
+            return None
+        if self._default_memory:
+            return (f"remove the memory tiers too (rm -rf {self.memory.parent} on every node: "
+                    f"the default ones, named after durable_dir)")
+        return f"empty every rank's memory_dir too ({self.memory} here)"
 
     @property
     def engine(self) -> Engine:
@@ -417,7 +432,7 @@ def _memory_tier(memory_dir: str | os.PathLike | None, durable: Path | None,
         memory = _default_memory_dir(durable, rank)
         root = user_root()
         for directory in (root, memory.parent):
-            directory.mkdir(mode=MEMORY_MODE, exist_ok=True)
+            make_private(directory)
             check_private(directory, "memory tiers' directory", follow=directory != root)
     if durable is not None and os.path.realpath(memory) == os.path.realpath(durable):
         raise ValueError(f"memory_dir {memory} is durable_dir: give each tier its own directory")

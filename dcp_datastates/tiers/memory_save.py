@@ -31,7 +31,7 @@ from .ranks import Ranks
 from .replicator import Replicator
 from .retention import Retention
 from .slots import NextSlot, Slot, SlotPool
-from .steps import TierRecord, committed, size_of, step_dir, steps
+from .steps import TierRecord, committed, make_private, size_of, step_dir, steps
 
 log = logging.getLogger("dcp_datastates")
 
@@ -70,7 +70,7 @@ class MemorySaver:
         try:
             nbytes = state_bytes(state)
             self._admit(step, nbytes, slot.nbytes if slot is not None else 0)
-            directory.mkdir(parents=True, exist_ok=True)
+            make_private(directory)
             TierRecord(step, self.ranks.rank, self.ranks.world).write(directory)
             writer = DataStatesWriter(directory, engine=self.engine(), overwrite=True,
                                       snapshot_into=slot)

@@ -41,9 +41,6 @@ if TYPE_CHECKING:
     from ..engine import Engine
 
 RANK_RE = re.compile(r"^rank_(\d+)$")
-#: The most ranks a tier record may say its job has: more than any job runs, few enough that
-#: listing them (the ranks a step lacks) is quick.
-MAX_RANKS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -112,18 +109,7 @@ def sources(tiers: list[Path]) -> tuple[dict[int, dict[int, list[Source]]], list
                     notes.append(f"{directory} was never committed (the save did not finish); "
                                  f"it is not persisted")
                 continue
-            record = TierRecord.read(directory)
-            if record.step != s:
-                raise CheckpointCorruptError(
-                    f"{directory}: its {RECORD_NAME} says step {record.step!s:.40}")
-            if not 0 < record.world_size <= MAX_RANKS:
-                raise CheckpointCorruptError(
-                    f"{directory / RECORD_NAME}: world_size {record.world_size!s:.40} is not a "
-                    f"number of ranks (1 to {MAX_RANKS})")
-            if not 0 <= record.rank < record.world_size:
-                raise CheckpointCorruptError(
-                    f"{directory}: its {RECORD_NAME} says rank {record.rank!s:.40} of "
-                    f"{record.world_size}")
+            record = TierRecord.read(directory, s)
             found.setdefault(s, {}).setdefault(record.rank, []).append(
                 Source(s, record.rank, record.world_size, directory, replica))
     for by_rank in found.values():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..format.directory import LOCK_NAME, fsync_dir
 from ..format.metadata_file import METADATA_NAME
-from .steps import remove_step, step_dir
+from .steps import make_private, remove_step, step_dir
 
 log = logging.getLogger("dcp_datastates")
 
@@ -93,7 +93,7 @@ class Exchange:
         if not entries:
             return False
         remove_step(directory)
-        directory.mkdir(parents=True)
+        make_private(directory)
         for name, size in entries:
             if "/" in name or name in ("", ".", ".."):
                 raise ValueError(f"rank {src} sent a bad file name {name!r}")

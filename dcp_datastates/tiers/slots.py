@@ -56,6 +56,7 @@ from ..format.directory import new_token
 from ..memory.host_cache import Arena, Lease
 from ..sizes import free_bytes
 from ..workers.background import Background
+from .steps import make_private
 
 
 class FileMapper(Protocol):
@@ -268,7 +269,7 @@ class SlotPool:
         self._sizing = True  # the pool's thread sizes free slots (False once the tier had no room)
         self._spares = SPARE  # 0 once the tier had no room for them (release_free)
         self._doomed: set[Slot] = set()  # being readied, to be removed then (release_free)
-        self.directory.mkdir(parents=True)
+        make_private(self.directory)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
 

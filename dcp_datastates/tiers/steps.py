@@ -23,7 +23,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, brief
 from ..format.directory import DirectoryClaim, new_token
 from ..format.entries import check_locations
 from ..format.metadata_file import METADATA_NAME, read_metadata
@@ -34,6 +34,8 @@ RECORD_NAME = ".tier.json"
 NAMING_NAME = ".dcp_datastates-steps"
 #: The prefixes a tier may name its step directories with: ours, torchtitan's.
 PREFIXES = {"step_": STEP_RE, "step-": re.compile(r"^step-(\d+)$")}
+#: The mode of the directories of a memory tier, and of the tier: the user's alone.
+PRIVATE_MODE = 0o700
 
 log = logging.getLogger("dcp_datastates")
 
@@ -81,8 +83,34 @@ def name_steps(root: Path, prefix: str) -> None:
     os.replace(tmp, root / NAMING_NAME)
 
 
+def make_private(directory: Path) -> None:
+    """Make ``directory`` and its missing parents, each private (0700) whatever the umask:
+    made with that mode, then set to it (a umask may take the owner's bits too) through a
+    descriptor opened without following links. Directories that exist, or that another
+    process makes meanwhile, are left as they are (:mod:`.private` checks a tier's)."""
+    missing = []
+    while not os.path.lexists(directory):
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, PRIVATE_MODE)
+        except FileExistsError:
+            continue
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, PRIVATE_MODE)
+        finally:
+            os.close(fd)
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"{_step_prefix(root)}{step}"
+
+
+#: The bounds of a tier record's numbers: steps as the ranks exchange them (an int64), more ranks
+#: than any job runs (few enough that listing them is quick), a ``pid_t`` (0: unknown).
+MAX_STEP, MAX_RANKS, MAX_PID = (1 << 63) - 1, 1 << 20, (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -101,14 +129,41 @@ class TierRecord:
         os.replace(tmp, directory / RECORD_NAME)
 
     @classmethod
-    def read(cls, directory: Path) -> TierRecord:
+    def read(cls, directory: Path, step: int | None = None) -> TierRecord:
+        """The record of the step directory ``directory`` (of ``step``, if given); raise
+        CheckpointCorruptError, naming the file, the number and its bounds, where it is
+        unreadable or a number is not an integer within them."""
         path = directory / RECORD_NAME
         try:
-            raw = json.loads(path.read_text())
-            return cls(int(raw["step"]), int(raw["rank"]), int(raw["world_size"]),
-                       int(raw.get("pid", 0)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raw = json.loads(path.read_text(), parse_float=_Literal, parse_constant=_Literal)
+            world = _bounded(raw["world_size"], "world_size", 1, MAX_RANKS, path)
+            record = cls(_bounded(raw["step"], "step", 0, MAX_STEP, path),
+                         _bounded(raw["rank"], "rank", 0, world - 1, path), world,
+                         _bounded(raw.get("pid", 0), "pid", 0, MAX_PID, path))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError,
+                RecursionError) as exc:
             raise CheckpointCorruptError(f"{path}: unreadable tier record ({exc})") from exc
+        if step is not None and record.step != step:
+            raise CheckpointCorruptError(f"{path}: step {record.step} where its directory is "
+                                         f"step {step}'s")
+        return record
+
+
+class _Literal(str):
+    """A JSON number no record holds (a fraction, ``1e400``, ``Infinity``, ``NaN``), as
+    written."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _bounded(value: object, name: str, low: int, high: int, path: Path) -> int:
+    """``value`` if it is an integer from ``low`` to ``high``; else CheckpointCorruptError
+    naming ``path`` and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise CheckpointCorruptError(f"{path}: {name} {brief(value, 60)} is not an integer "
+                                     f"from {low} to {high}")
+    return value
 
 
 def steps(root: Path) -> list[int]:

@@ -567,3 +567,29 @@ def test_engine_close_finishes_an_unclosed_manager_without_collectives(
                   and "CheckpointManager was not closed: step 2" in r.getMessage()]
         assert len(warned) == 1 and str(mine) in warned[0], warned
     agree(errors, "a manager not closed, on several ranks")
+
+
+def test_replicas_made_under_a_lax_umask_are_private(world: World, nodes: Path,
+                                                     engine: Engine) -> None:
+    """Under umask 002 the replica directories a manager makes (``replicas/``,
+    ``replicas/rank_<r>/``, their steps) are 0700 all the same, so a restart takes them (it
+    refuses group-writable ones)."""
+    mine = nodes / f"node_{world.rank}"
+    old = os.umask(0o002)
+    try:
+        with CheckpointManager(None, memory_dir=mine, replicate=True, engine=engine) as manager:
+            manager.save(1, rank_state(world.rank, 1))
+            manager.wait()
+    finally:
+        os.umask(old)
+    errors: list[str] = []
+    replicas = mine / "replicas"
+    made = [replicas, *replicas.iterdir(), *replicas.glob("rank_*/step_*")]
+    modes = {str(p): oct(p.stat().st_mode & 0o777) for p in made}
+    if len(made) != 3 or set(modes.values()) != {"0o700"}:
+        errors.append(f"replica directories: {modes}")
+    restart = error_of(lambda: CheckpointManager(None, memory_dir=mine, replicate=True,
+                                                 engine=engine).close())
+    if restart is not None:
+        errors.append(f"restart: {restart}")
+    agree(errors, "replica directories made under umask 002")

@@ -217,17 +217,31 @@ def test_a_persist_resumed_after_a_kill_in_its_commit_leaves_no_temporary(
     assert_state_equal(load_into(one_step, target), one_step)
 
 
-@pytest.mark.parametrize(("world", "named"), [
-    (10**12, "world_size 1000000000000 is not a number of ranks (1 to 1048576)"),
-    (0, "world_size 0 is not a number of ranks (1 to 1048576)"),
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("world_size", "1000000000000", "world_size 1000000000000 is not an integer from 1 to 1048576"),
+    ("world_size", "0", "world_size 0 is not an integer from 1 to 1048576"),
+    ("world_size", '"2"', "world_size '2' is not an integer from 1 to 1048576"),
+    ("pid", "1e400", "pid 1e400 is not an integer from 0 to 2147483647"),
+    ("pid", "Infinity", "pid Infinity is not an integer from 0 to 2147483647"),
+    ("pid", "NaN", "pid NaN is not an integer from 0 to 2147483647"),
+    ("pid", str(1 << 70), f"pid {1 << 70} is not an integer from 0 to 2147483647"),
+    ("step", "-Infinity", "step -Infinity is not an integer from 0 to 9223372036854775807"),
+    ("step", str(1 << 64), f"step {1 << 64} is not an integer from 0 to 9223372036854775807"),
+    ("step", "5.0", "step 5.0 is not an integer from 0 to 9223372036854775807"),
+    ("rank", "true", "rank True is not an integer from 0 to 0"),
+    ("rank", "-1", "rank -1 is not an integer from 0 to 0"),
 ])
-def test_a_tier_record_of_a_huge_job_fails_at_once(
+def test_a_hostile_tier_record_fails_at_once(
         tiers: Tiers, engine: Engine, one_step: dict, capsys: pytest.CaptureFixture[str],
-        world: int, named: str) -> None:
-    """A ``.tier.json`` that says the job has 10**12 ranks (listing the ranks it lacks would
-    never end): refused within a second, naming the file and the field; nothing written."""
+        field: str, value: str, named: str) -> None:
+    """A ``.tier.json`` whose number is no integer (a fraction, ``1e400``, ``Infinity``, a
+    string, a bool) or out of bounds (10**12 ranks, whose listing would never end; a pid or
+    step beyond a C long): refused within a second, naming the file, the field and its bounds;
+    nothing written."""
     record = tiers.memory / "step_5" / ".tier.json"
-    record.write_text(json.dumps({**json.loads(record.read_text()), "world_size": world}))
+    fields = {k: json.dumps(v) for k, v in json.loads(record.read_text()).items()}
+    fields[field] = value
+    record.write_text("{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}")
     start = time.monotonic()
     code, out, err = persist(capsys, engine, tiers.memory, tiers.durable)
     assert time.monotonic() - start < 1.0
