@@ -28,7 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..cuda.cuda_copy import Copy, CudaCopier, IssuedCopies
 from ..format.data_file import ItemSpec, Placement, place_tensors
-from ..memory.host_cache import MEMMOVE_BYTES, Lease, nbytes_of, set_storage
+from ..memory.host_cache import MEMMOVE_BYTES, Lease, nbytes_of, resolved, set_storage
 
 #: The attributes of DCP's ``CheckpointableTensor`` protocol (torch >= 2.14): a plain tensor
 #: holding shards of a larger one. Its staged copy must carry them, or DCP plans the copy as a
@@ -97,7 +97,8 @@ _IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None), torch
 
 def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
          dtensors: dict[int, DTensor]) -> object:
-    """The structure of ``obj`` with tensors replaced by references numbering ``sources``; the
+    """The structure of ``obj`` with tensors replaced by references numbering ``sources``
+    (conjugate and negative views :func:`~dcp_datastates.memory.host_cache.resolved`); the
     DTensors go to ``dtensors`` under their locals' numbers.
 
     Only dicts and lists are entered, as DCP does; other values are deep-copied here, on the
@@ -108,12 +109,12 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
     if isinstance(obj, DTensor):
         dtensors[len(sources)] = obj
         out: object = _DTensorRef(len(sources), obj._spec)
-        local = obj._local_tensor.detach()  # to_local() goes through autograd: far slower
+        local = resolved(obj._local_tensor.detach())  # to_local(): autograd, far slower
         sources.append(local.contiguous() if local.is_cuda else local)
     elif isinstance(obj, torch.Tensor):
         attrs = tuple((a, getattr(obj, a)) for a in SHARD_ATTRS if hasattr(obj, a))
         out = _TensorRef(len(sources), attrs)
-        tensor = obj.detach()
+        tensor = resolved(obj.detach())
         sources.append(tensor.contiguous() if tensor.is_cuda else tensor)
     elif isinstance(obj, dict):
         out = {k: walk(v, sources, memo, dtensors) for k, v in obj.items()}
