@@ -391,7 +391,7 @@ class SaveJob:
             self.stats.durable_s = time.perf_counter() - self.stats.start
             if self.stats.bytes_written:
                 self.stats.log()
-        elif self.engine.exiting:  # no one is left to read the save's future
+        elif self.engine.exiting and self.tie.taken():  # no one is left to read its future
             log.warning("dcp_datastates: save %d into %s lost at exit: %s (a checkpoint "
                         "committed there before is intact)", self.ticket, self.directory,
                         error)
