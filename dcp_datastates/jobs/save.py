@@ -142,8 +142,8 @@ class SaveJob:
         """Start the snapshot; return a Future of the staged state dict.
 
         Runs on the caller's thread only to record the structure, copy what a lazy copy cannot
-        keep still (:func:`~dcp_datastates.jobs.snapshot.keep_still`: CPU tensors) and record a CUDA
-        event; the GPU copies run on the engine's staging thread.
+        keep still (:func:`~dcp_datastates.jobs.snapshot.keep_still`: CPU tensors, small GPU
+        ones) and record a CUDA event; the other GPU copies run on the engine's staging thread.
         """
         self.tie.stager = threading.current_thread()
         self.began_distributed = _staged_for_distributed_save()
@@ -151,10 +151,10 @@ class SaveJob:
         dtensors: dict[int, DTensor] = {}
         try:
             skeleton = walk(state_dict, sources, {}, dtensors)
-            keep_still(sources, skeleton)
+            copied = keep_still(sources, skeleton)
             # a DTensor itself: an op on it bumps its own counter, not its local's
             self.writes = WriteWatch({i: dtensors.get(i, t) for i, t in enumerate(sources)
-                                      if t.is_cuda})
+                                      if t.is_cuda and i not in copied})
             devices = {t.device.index for t in sources if t.is_cuda}
             if not devices:
                 self.staging.release_sources()
