@@ -16,8 +16,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .arguments import checked_keywords
 from .engine import Engine, default_engine
+from .errors import CheckpointCorruptError
 from .format.directory import checkpoint_path, is_url
-from .format.entries import check_locations, check_tiling
+from .format.entries import check_locations, tiling_problems
 from .format.metadata_file import (
     METADATA_NAME,
     metadata_stamp,
@@ -170,11 +171,21 @@ class DataStatesReader(StorageReader):
         self._stamp = metadata_stamp(directory)
         metadata = read_metadata(directory, filesystem_writer=True)
         check_locations(directory, metadata)
-        check_tiling(directory, metadata, whole=not self.rank_part)
+        self._check_tiling(directory, metadata)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_tiling(self, directory: Path, metadata: Metadata) -> None:
+        """Refuse a checkpoint whose stored chunks do not tile a tensor (as ``verify`` does):
+        a load would leave part of its target as it was."""
+        problems = tiling_problems(directory, metadata, metadata.state_dict_metadata,
+                                   whole=not self.rank_part)
+        if problems:
+            raise CheckpointCorruptError("\n  ".join([*problems, (
+                "(a checkpoint meant to hold one rank's shards only, saved with no_dist=True, "
+                "loads them with DataStatesReader(rank_part=True))")]))
 
     def _checkpoint_dir(self) -> Path:
         if self.path is None:

@@ -130,14 +130,6 @@ def tiling_problems(path: Path, md: Metadata, fqns: Iterable[str], whole: bool =
     return problems
 
 
-def check_tiling(path: Path, md: Metadata, whole: bool = True) -> None:
-    """Refuse checkpoint ``path`` (``.metadata`` ``md``, its fields checked by
-    :func:`check_locations`) where a tensor's stored chunks do not tile it: a load would
-    leave elements of its targets as they were (see :func:`tiling_problem`)."""
-    if problems := tiling_problems(path, md, md.state_dict_metadata, whole):
-        raise CheckpointCorruptError("\n  ".join(problems))
-
-
 #: A stored item as the checks know it: its fqn and its chunk's offsets (None: bytes).
 _Key = tuple[str, "tuple[int, ...] | None"]
 
