@@ -95,7 +95,7 @@ def tiling_problem(tmd: TensorStorageMetadata, whole: bool = True) -> str | None
                 return f"chunks at {list(o)} and {list(o2)} overlap"
     covered, numel = sum(math.prod(n) for _, n in boxes), math.prod(size)
     if whole and covered != numel:
-        region = _uncovered(size, boxes)
+        region = _uncovered(size, boxes) if size else None
         return f"chunks cover {covered} of its {numel} elements" + (
             f"; elements {region} are in no stored chunk" if region else "")
     return None

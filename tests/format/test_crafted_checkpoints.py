@@ -7,6 +7,7 @@ import contextlib
 import copyreg
 import dataclasses
 import io
+import itertools
 import json
 import os
 import pickle
@@ -494,3 +495,38 @@ def test_tiling_problem_names_the_first_region_no_chunk_covers(chunks: list, why
                                 for o, n in chunks])
     assert tiling_problem(md) == why
     assert tiling_problem(md, whole=False) == (why if why and "overlap" in why else None)
+
+
+@st.composite
+def _chunked(draw) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    size = draw(st.lists(st.integers(0, 4), max_size=3))
+    chunks = []
+    for _ in range(draw(st.integers(0, 4))):
+        off = [draw(st.integers(0, d)) for d in size]
+        chunks.append((off, [draw(st.integers(0, d - o)) for o, d in zip(off, size, strict=True)]))
+    return size, chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=_chunked())
+def test_tiling_problem_agrees_with_counting_every_element(case) -> None:
+    """Overlaps, holes and the first hole named, against each element's chunks counted."""
+    size, chunks = case
+    held: dict[tuple[int, ...], int] = {}
+    for off, n in chunks:
+        for point in itertools.product(*(range(o, o + k) for o, k in zip(off, n, strict=True))):
+            held[point] = held.get(point, 0) + 1
+    holes = [p for p in itertools.product(*(range(d) for d in size)) if p not in held]
+    why = tiling_problem(TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size(size),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks]))
+    if any(count > 1 for count in held.values()):
+        assert why is not None and why.endswith("overlap")
+    elif holes:
+        assert why is not None and why.startswith(f"chunks cover {len(held)} of")
+        if size:
+            first = re.search(r"elements \[(.*)\] are in no stored chunk", why)
+            assert first is not None, why
+            assert tuple(int(r.split(":")[0]) for r in first[1].split(", ")) in holes
+    else:
+        assert why is None
