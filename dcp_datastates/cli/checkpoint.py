@@ -1,6 +1,6 @@
 """A checkpoint as the commands see it: ``.metadata``, its stored chunks by item, and whether
-a data file is usable. A checkpoint of DCP's own
-FileSystemWriter is read too; the commands that need this package's files refuse it."""
+a data file is usable. A checkpoint of DCP's own FileSystemWriter is read too; the commands
+that need this package's files refuse it."""
 
 from __future__ import annotations
 
