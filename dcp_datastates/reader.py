@@ -16,8 +16,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .arguments import checked_keywords
 from .engine import Engine, default_engine
+from .errors import CheckpointCorruptError
 from .format.directory import checkpoint_path, is_url
-from .format.entries import check_locations
+from .format.entries import check_locations, tiling_problems
 from .format.metadata_file import (
     METADATA_NAME,
     metadata_stamp,
@@ -44,21 +45,30 @@ class DataStatesReader(StorageReader):
     checkpoints, non-tensor items are unpickled by DCP's planner (``torch.load``): load only
     checkpoints you trust.
 
+    A checkpoint whose stored chunks of a tensor do not tile its shape (a chunk outside it, two
+    overlapping, elements no chunk holds) is refused as its ``.metadata`` is read, as
+    ``verify`` refuses it: a load would leave part of the target as it was.
+
     Args:
         path: checkpoint directory; may instead be given as ``checkpoint_id`` to ``dcp.load``.
         engine: the :class:`~dcp_datastates.Engine` to use (default: the process's engine).
         verify_checksums: check every byte read against the checksums in ``.metadata``.
         direct_io: read GPU restores with O_DIRECT (straight from the disk into pinned memory)
             where the file system allows it.
+        rank_part: the checkpoint is one rank's own (a ``CheckpointManager`` memory-tier step),
+            whose sharded tensors hold that rank's chunks only: elements no chunk holds are
+            not refused.
     """
 
     @checked_keywords
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
-                 verify_checksums: bool = True, direct_io: bool = True) -> None:
+                 verify_checksums: bool = True, direct_io: bool = True,
+                 rank_part: bool = False) -> None:
         super().__init__()
         self.path = checkpoint_path(path) if path is not None else None
         self.verify_checksums = verify_checksums
         self.direct_io = direct_io
+        self.rank_part = rank_part
         self._engine = engine
         self.load_id = str(uuid.uuid4())
         self.metadata: Metadata | None = None
@@ -161,10 +171,21 @@ class DataStatesReader(StorageReader):
         self._stamp = metadata_stamp(directory)
         metadata = read_metadata(directory, filesystem_writer=True)
         check_locations(directory, metadata)
+        self._check_tiling(directory, metadata)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_tiling(self, directory: Path, metadata: Metadata) -> None:
+        """Refuse a checkpoint whose stored chunks do not tile a tensor (as ``verify`` does):
+        a load would leave part of its target as it was."""
+        problems = tiling_problems(directory, metadata, metadata.state_dict_metadata,
+                                   whole=not self.rank_part)
+        if problems:
+            raise CheckpointCorruptError("\n  ".join([*problems, (
+                "(a checkpoint meant to hold one rank's shards only, saved with no_dist=True, "
+                "loads them with DataStatesReader(rank_part=True))")]))
 
     def _checkpoint_dir(self) -> Path:
         if self.path is None:

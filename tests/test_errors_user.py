@@ -113,7 +113,7 @@ def test_a_misspelt_option_gets_a_suggestion(tmp_path: Path, cls: type, typo: st
 def test_an_unknown_option_lists_the_real_ones(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=re.escape(
             "DataStatesReader() got an unexpected keyword argument 'zzz'; it takes "
-            "['path', 'engine', 'verify_checksums', 'direct_io']")):
+            "['path', 'engine', 'verify_checksums', 'direct_io', 'rank_part']")):
         DataStatesReader(tmp_path, zzz=1)
 
 

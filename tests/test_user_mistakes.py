@@ -55,9 +55,10 @@ def state(seed: int) -> dict:
             "step": seed}
 
 
-def run_script(tmp_path: Path, body: str, *args: object,
-               env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    """``PRELUDE + body`` in a fresh interpreter (no logging set up), which then exits."""
+def run_script(tmp_path: Path, body: str, *args: object, env: dict | None = None,
+               returncode: int = 0) -> subprocess.CompletedProcess[str]:
+    """``PRELUDE + body`` in a fresh interpreter (no logging set up), which then exits with
+    ``returncode``."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     environ = {k: v for k, v in os.environ.items() if k != "DCP_DATASTATES_IO"} | (env or {})
@@ -65,7 +66,7 @@ def run_script(tmp_path: Path, body: str, *args: object,
         p for p in (str(ROOT), str(ROOT / "tests"), environ.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-W", "ignore", str(script), *map(str, args)],
                           capture_output=True, text=True, timeout=240, env=environ)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
 
@@ -77,6 +78,20 @@ def test_async_save_in_flight_at_exit_is_committed(tmp_path: Path) -> None:
     """, tmp_path / "ckpt")
     assert proc.stderr == ""
     assert_state_equal(load_into(state(1), tmp_path / "ckpt"), state(1))
+
+
+def test_an_async_save_dcp_refused_after_staging_is_not_said_lost_at_exit(
+        tmp_path: Path) -> None:
+    """DCP stages the snapshot, then refuses a PROCESS-mode ``async_save`` without a process
+    group: the script ends with DCP's error alone, no save "lost at exit" that it never had."""
+    proc = run_script(tmp_path, """
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        dcp.async_save(state(1), checkpoint_id=sys.argv[1], storage_writer=DataStatesWriter(),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    """, tmp_path / "ckpt", returncode=1)
+    assert "Default process group has not been initialized" in proc.stderr, proc.stderr
+    assert "lost at exit" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
 
 
 def test_slow_save_on_an_engine_never_closed_finishes_at_exit(tmp_path: Path) -> None:

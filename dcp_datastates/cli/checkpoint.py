@@ -1,13 +1,11 @@
-"""A checkpoint as the commands see it: ``.metadata``, its stored chunks by item, whether
-each tensor's chunks tile it, and whether a data file is usable. A checkpoint of DCP's own
-FileSystemWriter is read too; the commands that need this package's files refuse it."""
+"""A checkpoint as the commands see it: ``.metadata``, its stored chunks by item, and whether
+a data file is usable. A checkpoint of DCP's own FileSystemWriter is read too; the commands
+that need this package's files refuse it."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,39 +89,3 @@ def file_size(f: Path) -> tuple[int | None, str | None]:
         return os.fstat(fd).st_size, None
     finally:
         os.close(fd)
-
-
-def _tiling_problem(tmd: TensorStorageMetadata) -> str | None:
-    """How a tensor's chunks in ``.metadata`` fail to tile its global shape (a DCP save's
-    always do): one lying outside it, two overlapping, or a part no chunk covers."""
-    size = tuple(tmd.size)
-    boxes = []
-    for c in tmd.chunks:
-        off, n = tuple(c.offsets), tuple(c.sizes)
-        if len(off) != len(size) or len(n) != len(size) or any(
-                o < 0 or k < 0 or o + k > d for o, k, d in zip(off, n, size, strict=True)):
-            return (f"chunk at {list(off)} of shape {list(n)} lies outside the tensor's shape "
-                    f"{list(size)}")
-        boxes.append((off, n))
-    boxes.sort()
-    for i, (o, n) in enumerate(boxes):
-        for o2, n2 in boxes[i + 1:]:
-            if size and o2[0] >= o[0] + n[0]:
-                break  # sorted: no later chunk reaches back into this one
-            if math.prod(n) and math.prod(n2) and all(
-                    a < b + m and b < a + k for a, k, b, m in zip(o, n, o2, n2, strict=True)):
-                return f"chunks at {list(o)} and {list(o2)} overlap"
-    covered, numel = sum(math.prod(n) for _, n in boxes), math.prod(size)
-    if covered != numel:
-        return f"chunks cover {covered} of its {numel} elements"
-    return None
-
-
-def tiling_problems(path: Path, md: Metadata, fqns: Iterable[str]) -> list[str]:
-    """``_tiling_problem`` of each tensor of ``fqns``, as "<path>: item '<fqn>': <why>"."""
-    problems = []
-    for fqn in fqns:
-        tmd = md.state_dict_metadata.get(fqn)
-        if isinstance(tmd, TensorStorageMetadata) and (why := _tiling_problem(tmd)) is not None:
-            problems.append(f"{path}: item {fqn!r}: {why}")
-    return problems

@@ -21,6 +21,7 @@ from ..engine import Engine
 from ..errors import CheckpointCorruptError
 from ..format.checksums import memory_at
 from ..format.data_file import SAFETENSORS_DTYPES, ItemSpec, export_header, itemsize_of
+from ..format.entries import tiling_problems
 from ..sizes import format_size, parse_size
 from .arguments import add_command, add_quiet, cli_path, command_engine, note
 from .checkpoint import (
@@ -29,7 +30,6 @@ from .checkpoint import (
     dtype_name,
     file_size,
     load_checkpoint,
-    tiling_problems,
     where,
 )
 from .export_torch import export_torch

@@ -18,9 +18,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..engine import Engine
 from ..errors import CheckpointError
 from ..format.data_file import ItemSpec
+from ..format.entries import tiling_problems
 from ..sizes import format_size
 from .arguments import add_command, add_quiet, cli_path, command_engine
-from .checkpoint import Chunk, load_checkpoint, tiling_problems
+from .checkpoint import Chunk, load_checkpoint
 from .headers import check_file
 from .progress import Progress
 from .reads import BATCH_BYTES, SLICE_BYTES, Planner, batches, bytes_read, chunk_reads, read

@@ -1,8 +1,11 @@
 """A DCP item in the files: its data file entry name, its spec as ``.metadata`` describes it,
-and the checks of ``.metadata``'s items and their locations."""
+and the checks of ``.metadata``'s items, their locations and how their chunks tile them."""
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeVar, overload
 
@@ -58,6 +61,73 @@ def stored_spec(metadata: Metadata, index: MetadataIndex, loc: ItemLocation, ten
         raise CheckpointCorruptError(
             f"{what}: {loc.length} bytes stored for a {dtype} chunk of shape {list(shape)}")
     return ItemSpec(name, dtype, shape, loc.length)
+
+
+#: Cells of the grid the chunks' edges cut a tensor into, beyond which an error does not
+#: name the first region no chunk covers (it is found only once a load is refused).
+_MAX_CELLS = 1 << 16
+
+
+def tiling_problem(tmd: TensorStorageMetadata, whole: bool = True) -> str | None:
+    """How a tensor's stored chunks fail to tile its shape (a DCP save's always do): one lying
+    outside it, two overlapping, or (``whole``) elements no chunk covers, the first such
+    region named. ``whole=False``: one rank's part of a checkpoint, whose sharded tensors hold
+    that rank's chunks only. The chunks' fields are as :func:`check_locations` checks them."""
+    size = tuple(tmd.size)
+    boxes = []
+    for c in tmd.chunks:
+        off, n = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(size) or len(n) != len(size) or any(
+                o < 0 or k < 0 or o + k > d for o, k, d in zip(off, n, size, strict=True)):
+            return (f"chunk at {list(off)} of shape {list(n)} lies outside the tensor's shape "
+                    f"{list(size)}")
+        if math.prod(n):
+            boxes.append((off, n))
+    # sweep along the dimension the chunks split most: a chunk overlaps only the chunks that
+    # start before its end there
+    axis = max(range(len(size)), key=lambda i: len({o[i] for o, _ in boxes}), default=None)
+    boxes.sort(key=lambda b: b[0] if axis is None else b[0][axis])
+    for i, (o, n) in enumerate(boxes):
+        for o2, n2 in boxes[i + 1:]:
+            if axis is not None and o2[axis] >= o[axis] + n[axis]:
+                break
+            if all(a < b + m and b < a + k for a, k, b, m in zip(o, n, o2, n2, strict=True)):
+                return f"chunks at {list(o)} and {list(o2)} overlap"
+    covered, numel = sum(math.prod(n) for _, n in boxes), math.prod(size)
+    if whole and covered != numel:
+        region = _uncovered(size, boxes) if size else None
+        return f"chunks cover {covered} of its {numel} elements" + (
+            f"; elements {region} are in no stored chunk" if region else "")
+    return None
+
+
+def _uncovered(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+               ) -> str | None:
+    """The first region (``[a:b, ...]``) of a tensor of ``size`` that no chunk of ``boxes``
+    (in bounds, not overlapping) covers, or None where the chunks cut it into too many
+    cells to look."""
+    cuts = [sorted({0, d, *(o[i] for o, _ in boxes), *(o[i] + n[i] for o, n in boxes)})
+            for i, d in enumerate(size)]
+    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
+        return None
+    for cell in itertools.product(*(list(itertools.pairwise(c)) for c in cuts)):
+        if not any(all(a <= lo < a + k for (lo, _), a, k in zip(cell, o, n, strict=True))
+                   for o, n in boxes):
+            return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in cell) + "]"
+    return None
+
+
+def tiling_problems(path: Path, md: Metadata, fqns: Iterable[str], whole: bool = True
+                    ) -> list[str]:
+    """:func:`tiling_problem` of each tensor of ``fqns`` in ``md`` (checkpoint ``path``), as
+    "<path>: item '<fqn>': <why>"."""
+    problems = []
+    for fqn in fqns:
+        tmd = md.state_dict_metadata.get(fqn)
+        if isinstance(tmd, TensorStorageMetadata) and (
+                why := tiling_problem(tmd, whole)) is not None:
+            problems.append(f"{path}: item {fqn!r}: {why}")
+    return problems
 
 
 #: A stored item as the checks know it: its fqn and its chunk's offsets (None: bytes).

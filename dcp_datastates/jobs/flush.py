@@ -35,7 +35,7 @@ from ..format.data_file import (
 from ..format.entries import entry_name
 from ..format.metadata_file import ItemLocation
 from ..io.file_writer import DataFile, Piece
-from ..memory.host_cache import Lease, nbytes_of
+from ..memory.host_cache import Lease, nbytes_of, resolved
 from ..stats import SaveStats
 from .snapshot import Snapshot, SnapshotTarget, copy_into
 
@@ -115,12 +115,12 @@ def write_data_file(job: FlushedSave, plan: SavePlan, planner: SavePlanner,
 
 
 def _resolve_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
-    """The tensor of a tensor item (detached)."""
+    """The tensor of a tensor item (detached, a conjugate or negative view resolved)."""
     data = planner.resolve_data(item)
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"the planner resolved tensor item {item.index} to a "
                         f"{type(data).__name__}")
-    return data.detach()
+    return resolved(data.detach())
 
 
 def _tensor_placements(snapshot: Snapshot | None, tensors: list[torch.Tensor],

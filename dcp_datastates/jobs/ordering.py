@@ -154,6 +154,11 @@ class Tie:
     def takers(self) -> list[threading.Thread]:
         return [t for t in self.staged.takers if t is not self.stager]
 
+    def taken(self) -> bool:
+        """Whether DCP took this save: a DCP call ran it, or a thread other than the stager
+        took its snapshot (not so for a snapshot DCP refused to save once it was staged)."""
+        return self.caller is not None or bool(self.takers())
+
     def taken_by(self, thread: threading.Thread) -> bool:
         """Whether ``thread`` took the staged state dict and no call runs the save yet."""
         return self.caller is None and thread in self.staged.takers

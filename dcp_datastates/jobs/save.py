@@ -137,8 +137,8 @@ class SaveJob:
         """Start the snapshot; return a Future of the staged state dict.
 
         Runs on the caller's thread only to record the structure, copy what a lazy copy cannot
-        keep still (:func:`~dcp_datastates.jobs.snapshot.keep_still`: CPU tensors) and record a CUDA
-        event; the GPU copies run on the engine's staging thread.
+        keep still (:func:`~dcp_datastates.jobs.snapshot.keep_still`: CPU tensors, small GPU
+        ones) and record a CUDA event; the other GPU copies run on the engine's staging thread.
         """
         self.tie.stager = threading.current_thread()
         self.began = began_staging()
@@ -146,10 +146,10 @@ class SaveJob:
         dtensors: dict[int, DTensor] = {}
         try:
             skeleton = walk(state_dict, sources, {}, dtensors)
-            keep_still(sources, skeleton)
+            copied = keep_still(sources, skeleton)
             # a DTensor itself: an op on it bumps its own counter, not its local's
             self.writes = WriteWatch({i: dtensors.get(i, t) for i, t in enumerate(sources)
-                                      if t.is_cuda})
+                                      if t.is_cuda and i not in copied})
             devices = {t.device.index for t in sources if t.is_cuda}
             if not devices:
                 self.staging.release_sources()
@@ -381,7 +381,7 @@ class SaveJob:
             self.stats.durable_s = time.perf_counter() - self.stats.start
             if self.stats.bytes_written:
                 self.stats.log()
-        elif self.engine.exiting:  # no one is left to read the save's future
+        elif self.engine.exiting and self.tie.taken():  # no one is left to read its future
             log.warning("dcp_datastates: save %d into %s lost at exit: %s (a checkpoint "
                         "committed there before is intact)", self.ticket, self.directory,
                         error)

@@ -8,8 +8,9 @@ and the flush writes it in a few large requests; small tensors share the lease i
 taking a 4 KiB region each. A snapshot goes to a lease of the engine's host cache, or to a
 :class:`SnapshotTarget` (a memory-tier slot) whose memory becomes the data file in place.
 GPU tensors are copied on a side stream after an event recorded by ``walk``'s caller (waited
-for by :func:`copies_done`, on the engine's settle thread); CPU tensors with ``memmove``
-(small) or torch (large). What does not fit in the lease goes to pageable memory.
+for by :func:`copies_done`, on the engine's settle thread), small ones from copies made in the
+call (:func:`keep_still`); CPU tensors with ``memmove`` (small) or torch (large). What does not
+fit in the lease goes to pageable memory.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..cuda.cuda_copy import Copy, CudaCopier, IssuedCopies
 from ..format.data_file import ItemSpec, Placement, place_tensors
-from ..memory.host_cache import MEMMOVE_BYTES, Lease, nbytes_of, set_storage
+from ..memory.host_cache import MEMMOVE_BYTES, Lease, nbytes_of, resolved, set_storage
 
 #: The attributes of DCP's ``CheckpointableTensor`` protocol (torch >= 2.14): a plain tensor
 #: holding shards of a larger one. Its staged copy must carry them, or DCP plans the copy as a
@@ -97,7 +98,8 @@ _IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None), torch
 
 def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
          dtensors: dict[int, DTensor]) -> object:
-    """The structure of ``obj`` with tensors replaced by references numbering ``sources``; the
+    """The structure of ``obj`` with tensors replaced by references numbering ``sources``
+    (conjugate and negative views :func:`~dcp_datastates.memory.host_cache.resolved`); the
     DTensors go to ``dtensors`` under their locals' numbers.
 
     Only dicts and lists are entered, as DCP does; other values are deep-copied here, on the
@@ -108,12 +110,12 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
     if isinstance(obj, DTensor):
         dtensors[len(sources)] = obj
         out: object = _DTensorRef(len(sources), obj._spec)
-        local = obj._local_tensor.detach()  # to_local() goes through autograd: far slower
+        local = resolved(obj._local_tensor.detach())  # to_local(): autograd, far slower
         sources.append(local.contiguous() if local.is_cuda else local)
     elif isinstance(obj, torch.Tensor):
         attrs = tuple((a, getattr(obj, a)) for a in SHARD_ATTRS if hasattr(obj, a))
         out = _TensorRef(len(sources), attrs)
-        tensor = obj.detach()
+        tensor = resolved(obj.detach())
         sources.append(tensor.contiguous() if tensor.is_cuda else tensor)
     elif isinstance(obj, dict):
         out = {k: walk(v, sources, memo, dtensors) for k, v in obj.items()}
@@ -125,19 +127,51 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
     return out
 
 
-def keep_still(sources: list[torch.Tensor], skeleton: object) -> None:
+#: GPU tensors of at most this many bytes each are copied in the call, as CPU tensors are: a
+#: write that no version counter tells of (BatchNorm's running statistics in forward, a write
+#: through ``p.data``) cannot reach them. 1 MiB holds any normalization layer's statistics
+#: and the biases and norms of every usual width, and little of a model's bytes.
+AT_CALL_BYTES = 1 << 20
+#: The most bytes of small GPU tensors one save copies in the call (the rest go lazily): the
+#: call's GPU time and memory stay bounded (64 MiB: microseconds of device copies).
+AT_CALL_TOTAL_BYTES = 64 << 20
+
+
+def keep_still(sources: list[torch.Tensor], skeleton: object) -> set[int]:
     """Replace, in ``sources`` (of ``walk``'s ``skeleton``), those a lazy copy cannot take at
-    their values of the call by copies made now: CPU tensors (the staging thread copies them
-    while the caller goes on) and inference tensors (no version counter tells of a write to
-    them; copied on the current stream, in the call's order). GPU tensors stay: their copies
-    are lazy. Raises TypeError naming a tensor torch cannot copy."""
+    their values of the call by copies made now; return their indices. CPU tensors (the
+    staging thread copies them while the caller goes on), inference tensors (no version
+    counter tells of a write to them) and small GPU tensors (:data:`AT_CALL_BYTES`, up to
+    :data:`AT_CALL_TOTAL_BYTES` in all, in order: one foreach copy), GPU ones on the current
+    stream, in the call's order. Other GPU tensors stay: their copies are lazy. Raises
+    TypeError naming a tensor torch cannot copy."""
+    copied, small, room = set(), [], AT_CALL_TOTAL_BYTES
     for i, t in enumerate(sources):
         if not t.is_cuda or t.is_inference():
-            try:
-                sources[i] = t.clone(memory_format=torch.contiguous_format)
-            except (RuntimeError, NotImplementedError) as exc:
-                raise TypeError(f"{source_paths(skeleton).get(i, f'tensor {i}')!r}: a "
-                                f"{t.dtype} tensor torch cannot copy ({exc})") from exc
+            sources[i] = _copy(t, i, skeleton)
+            copied.add(i)
+        elif (n := nbytes_of(t)) <= min(AT_CALL_BYTES, room):
+            small.append(i)
+            room -= n
+    if small:
+        copies = [torch.empty_like(sources[i], memory_format=torch.contiguous_format)
+                  for i in small]
+        try:
+            torch._foreach_copy_(copies, [sources[i] for i in small])
+        except (RuntimeError, NotImplementedError):  # a dtype foreach ops lack: one by one
+            copies = [_copy(sources[i], i, skeleton) for i in small]
+        for i, c in zip(small, copies, strict=True):
+            sources[i] = c
+    return copied | set(small)
+
+
+def _copy(t: torch.Tensor, i: int, skeleton: object) -> torch.Tensor:
+    """A contiguous copy of source ``i``; TypeError naming it where torch cannot copy it."""
+    try:
+        return t.clone(memory_format=torch.contiguous_format)
+    except (RuntimeError, NotImplementedError) as exc:
+        raise TypeError(f"{source_paths(skeleton).get(i, f'tensor {i}')!r}: a "
+                        f"{t.dtype} tensor torch cannot copy ({exc})") from exc
 
 
 def source_paths(skeleton: object) -> dict[int, str]:

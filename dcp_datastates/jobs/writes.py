@@ -10,6 +10,11 @@ an op on the DTensor, its local tensor's for one on ``to_local()``; torch's in-p
 ops on DTensors bump neither, and go unseen), so :class:`WriteWatch` compares each source's
 versions at the call with its versions at that moment, and the save fails naming the tensors
 rather than commit a snapshot that may be torn.
+
+Writes that bump no counter go unseen: through ``p.data``, a ``set_()`` alias,
+``untyped_storage()``, ``.numpy()`` or DLPack, BatchNorm's running statistics in forward.
+Sources copied in the call (:func:`~dcp_datastates.jobs.snapshot.keep_still`: CPU tensors,
+small GPU ones) are not watched: no write after the call reaches their copies.
 """
 
 from __future__ import annotations

@@ -133,6 +133,13 @@ def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whose memory holds its values, the tensor whose bytes a checkpoint stores: a
+    conjugate or negative view (whose bit torch applies only as it reads the memory) resolved
+    into a copy, as ``torch.save`` stores it; any other tensor itself."""
+    return t.resolve_conj().resolve_neg()
+
+
 def set_storage(tensor: torch.Tensor, storage: torch.UntypedStorage, offset: int,
                 size: torch.Size) -> torch.Tensor:
     """``tensor.set_(storage, offset, size)``: ``tensor`` over ``storage`` (contiguous)."""

@@ -235,7 +235,7 @@ class Restorer:
         failed: BaseException | None = None
         if memory and complete(mine):
             try:
-                self._read(state, mine)
+                self._read(state, mine, rank_part=True)
                 log.info("dcp_datastates: restored step %d from the memory tier (%s) in %.2f s",
                          step, mine, time.perf_counter() - start)
                 return
@@ -248,12 +248,15 @@ class Restorer:
             if failed is not None:
                 raise failed
             raise CheckpointError(f"step {step} is in no tier of rank {self.ranks.rank}")
-        self._read(state, target)
+        self._read(state, target, rank_part=False)
         log.info("dcp_datastates: restored step %d from the durable tier (%s) in %.2f s",
                  step, target, time.perf_counter() - start)
 
-    def _read(self, state: dict, directory: Path) -> None:
-        local_dcp.load(state, directory, DataStatesReader(engine=self.engine()))
+    def _read(self, state: dict, directory: Path, rank_part: bool) -> None:
+        """Load ``directory`` into ``state``; ``rank_part``: a memory-tier step, this rank's
+        part of the checkpoint only."""
+        local_dcp.load(state, directory, DataStatesReader(engine=self.engine(),
+                                                          rank_part=rank_part))
 
 
 def _listed(steps: Iterable[int]) -> str:

@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from helpers import raises_in_dcp
 from helpers.fakes import FaultyBackend
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from dcp_datastates import DataStatesWriter, Engine, cli
+from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter, Engine, cli
 from dcp_datastates.cli.checkpoint import load_checkpoint
 from dcp_datastates.cli.export import ENTRY_NAMES, EXPORT_NAMES
 from dcp_datastates.cli.headers import check_file
@@ -445,13 +446,19 @@ def test_chunks_that_do_not_tile_the_tensor(
 ) -> None:
     """A ``.metadata`` whose chunks do not tile a tensor's global shape: ``verify`` names it
     (a chunk with another number of dimensions than its tensor: as ``.metadata`` is read);
-    ``export`` refuses it with an error (no traceback, no uninitialized memory exported)."""
+    a load refuses it with the same words; ``export`` refuses it with an error (no traceback,
+    no uninitialized memory exported)."""
     directory = _save({"a": torch.arange(8.0), "p": torch.arange(4.0),
                        "q": torch.arange(4.0) + 10}, tmp_path / "ckpt")
     _tamper_chunks(directory, how)
     code, _, err = _main(capsys, "verify", "-q", str(directory))
     assert code == 1
     assert f"{directory}{why}" in err, err
+    md = read_metadata(directory)
+    target = {fqn: torch.full(tuple(tmd.size), -1.0) for fqn, tmd in md.state_dict_metadata.items()}
+    with raises_in_dcp(CheckpointCorruptError, re.escape(f"{directory}{why}")):
+        dcp.load(target, checkpoint_id=directory, storage_reader=DataStatesReader(), no_dist=True)
+    assert all(bool((t == -1).all()) for t in target.values())
     res = _run("export", "-q", str(directory), str(tmp_path / "hf"))
     assert res.returncode == 1, res.stdout
     assert "Traceback" not in res.stderr

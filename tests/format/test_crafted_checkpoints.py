@@ -7,6 +7,7 @@ import contextlib
 import copyreg
 import dataclasses
 import io
+import itertools
 import json
 import os
 import pickle
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import (
     MARKS,
     assert_state_equal,
@@ -30,9 +32,13 @@ from helpers import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.metadata import TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from dcp_datastates import CheckpointCorruptError
+from dcp_datastates import CheckpointCorruptError, DataStatesReader, cli
 from dcp_datastates.format.align import ALIGN
 from dcp_datastates.format.data_file import (
     LARGE_ITEM_BYTES,
@@ -44,6 +50,7 @@ from dcp_datastates.format.data_file import (
     read_header,
 )
 from dcp_datastates.format.directory import LOCK_NAME
+from dcp_datastates.format.entries import tiling_problem
 from dcp_datastates.format.metadata_file import read_metadata, write_metadata
 
 pytestmark = MARKS
@@ -450,3 +457,76 @@ def test_location_file_that_is_a_fifo(checkpoint) -> None:
     _replace_location(directory, "w", file="pipe")
     with raises_in_dcp(CheckpointCorruptError, r"data file pipe is not a regular file.*item 'w'"):
         load_into(expected, directory)
+
+
+# -- chunks that do not tile their tensor --------------------------------------------------------
+def test_half_committed_sharded_save_is_refused(tmp_path: Path, make_writer,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``.metadata`` whose stored chunks cover 8 of a tensor's 16 elements (a sharded save
+    committed without one rank's chunk): ``verify`` fails it and a load refuses it, naming the
+    checkpoint, the item and the elements no chunk holds; the target keeps its values."""
+    directory = tmp_path / "ckpt"
+    save({"a": torch.arange(8.0)}, directory, make_writer())
+    metadata = read_metadata(directory)
+    metadata.state_dict_metadata["a"].size = torch.Size([16])
+    write_metadata(directory, metadata, "test")
+    why = f"{directory}: item 'a': chunks cover 8 of its 16 elements; elements [8:16] are in no"
+    target = {"a": torch.full((16,), -1.0)}
+    with raises_in_dcp(CheckpointCorruptError, re.escape(why)):
+        dcp.load(target, checkpoint_id=directory, storage_reader=DataStatesReader(),
+                 no_dist=True)
+    assert torch.equal(target["a"], torch.full((16,), -1.0))
+    assert cli.main(["verify", "-q", str(directory)]) == 1
+    assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("chunks", "why"), [
+    ([((0, 0), (4, 4)), ((4, 0), (4, 2))], "chunks cover 24 of its 32 elements; elements "
+                                           "[4:8, 2:4] are in no stored chunk"),
+    ([((4, 0), (4, 4)), ((0, 0), (4, 4)), ((2, 2), (1, 1))], "chunks at [0, 0] and [2, 2] "
+                                                             "overlap"),
+    ([((0, 2), (8, 2)), ((0, 0), (8, 2))], None),
+    ([((0, 0), (0, 4)), ((0, 0), (8, 4))], None),  # an empty chunk overlaps nothing
+])
+def test_tiling_problem_names_the_first_region_no_chunk_covers(chunks: list, why: str | None
+                                                                ) -> None:
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 4]),
+                               [ChunkStorageMetadata(torch.Size(o), torch.Size(n))
+                                for o, n in chunks])
+    assert tiling_problem(md) == why
+    assert tiling_problem(md, whole=False) == (why if why and "overlap" in why else None)
+
+
+@st.composite
+def _chunked(draw) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    size = draw(st.lists(st.integers(0, 4), max_size=3))
+    chunks = []
+    for _ in range(draw(st.integers(0, 4))):
+        off = [draw(st.integers(0, d)) for d in size]
+        chunks.append((off, [draw(st.integers(0, d - o)) for o, d in zip(off, size, strict=True)]))
+    return size, chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=_chunked())
+def test_tiling_problem_agrees_with_counting_every_element(case) -> None:
+    """Overlaps, holes and the first hole named, against each element's chunks counted."""
+    size, chunks = case
+    held: dict[tuple[int, ...], int] = {}
+    for off, n in chunks:
+        for point in itertools.product(*(range(o, o + k) for o, k in zip(off, n, strict=True))):
+            held[point] = held.get(point, 0) + 1
+    holes = [p for p in itertools.product(*(range(d) for d in size)) if p not in held]
+    why = tiling_problem(TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size(size),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks]))
+    if any(count > 1 for count in held.values()):
+        assert why is not None and why.endswith("overlap")
+    elif holes:
+        assert why is not None and why.startswith(f"chunks cover {len(held)} of")
+        if size:
+            first = re.search(r"elements \[(.*)\] are in no stored chunk", why)
+            assert first is not None, why
+            assert tuple(int(r.split(":")[0]) for r in first[1].split(", ")) in holes
+    else:
+        assert why is None

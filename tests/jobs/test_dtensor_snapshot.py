@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import MARKS, rand_tensor
+from helpers import MARKS, raises_in_dcp, rand_tensor
 from helpers.fakes import FileTarget
 from safetensors import safe_open
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,7 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter
 from dcp_datastates.jobs.writes import WriteWatch
 
 pytestmark = [*MARKS, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -106,7 +106,7 @@ def test_staged_dtensors_keep_the_mesh_and_hold_the_snapshot_memory(
 def test_dtensor_state_of_a_foreign_mesh_saves_loads_and_reads_as_safetensors(
         meshes: tuple[DeviceMesh, DeviceMesh], make_engine, tmp_path: Path) -> None:
     """An async save (no process group: rank 3's shards only, which ``verify`` rightly calls
-    incomplete), then a load into blanked
+    incomplete, and a load refuses but with ``rank_part=True``), then a load into blanked
     DTensors of the same meshes: every shard comes back bit for bit, and the data file holds
     each shard as a plain tensor that safetensors reads."""
     state = state_of(meshes)
@@ -120,8 +120,12 @@ def test_dtensor_state_of_a_foreign_mesh_saves_loads_and_reads_as_safetensors(
     for v in dtensors(blank).values():
         v.to_local().zero_()
     blank.update(plain=torch.zeros(7, dtype=torch.int64), step=0)
-    dcp.load(blank, checkpoint_id=path, storage_reader=DataStatesReader(engine=engine),
-             no_dist=True)
+    with raises_in_dcp(CheckpointCorruptError, r"item 'tp': chunks cover 0 of its 18 elements"
+                                               r"(.|\n)*rank_part=True"):
+        dcp.load(blank, checkpoint_id=path, storage_reader=DataStatesReader(engine=engine),
+                 no_dist=True)
+    dcp.load(blank, checkpoint_id=path, no_dist=True,
+             storage_reader=DataStatesReader(engine=engine, rank_part=True))
     for name, src in dtensors(state).items():
         assert torch.equal(blank[name].to_local(), src.to_local()), name
     assert torch.equal(blank["plain"], state["plain"]) and blank["step"] == 12

@@ -1,7 +1,8 @@
 """A checkpoint holds the state as it was when ``dcp.async_save`` returned, whatever the loop does
-next, with or without ``guard``: CPU tensors are copied in the call; GPU tensors are copied
-lazily, every optimizer's step is ordered after the copies, and any other in-place write
-before them fails the save naming the tensor (never a torn checkpoint)."""
+next, with or without ``guard``: CPU tensors and small GPU ones are copied in the call (writes
+no version counter tells of cannot reach them); larger GPU tensors are copied lazily, every
+optimizer's step is ordered after the copies, and any other counted in-place write before them
+fails the save naming the tensor (never a torn checkpoint)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,82 @@ def test_optimizer_step_does_not_wait_for_a_cpu_snapshot_being_staged(tmp_path: 
         engine.close()
 
 
+def _write_through_data(t: torch.Tensor) -> None:
+    t.data.add_(1.0)  # p.data: the same memory, a version counter of its own
+
+
+def _write_through_set_alias(t: torch.Tensor) -> None:
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    alias.add_(1.0)
+
+
+def _write_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().copy_((t + 1.0).untyped_storage())
+
+
+def _write_numpy(t: torch.Tensor) -> None:
+    t.numpy()[:] += 1.0
+
+
+#: In-place writes that change no version counter (the write detector cannot see them).
+UNCOUNTED_WRITES: dict[str, Callable[[torch.Tensor], None]] = {
+    "p.data.add_": _write_through_data, "set_ alias": _write_through_set_alias,
+    "untyped_storage().copy_": _write_storage, ".numpy()": _write_numpy}
+
+
+@pytest.mark.parametrize("write", sorted(UNCOUNTED_WRITES))
+def test_cpu_writes_no_counter_tells_of_are_not_in_the_checkpoint(tmp_path: Path,
+                                                                 write: str) -> None:
+    """A write that bumps no version counter, right after the call and while the snapshot is
+    still being staged: a CPU tensor, small or large, is copied in the call, so the checkpoint
+    holds its value of the call."""
+    state = {"small": torch.zeros(1024), "large": torch.zeros(4 << 20)}  # 4 KiB, 16 MiB
+    held = HeldSettles()
+    engine = Engine(io_backend="threads", settle_pool=held)
+    try:
+        resp = dcp.async_save(state, checkpoint_id=tmp_path / "c", no_dist=True,
+                              storage_writer=DataStatesWriter(engine=engine))
+        versions = [t._version for t in state.values()]
+        for t in state.values():
+            UNCOUNTED_WRITES[write](t)
+        assert [t._version for t in state.values()] == versions  # no counter told of it
+        assert all(bool((t == 1.0).all()) for t in state.values())
+        assert not resp.staging_completion.done()
+        held.gate.set()
+        resp.upload_completion.result(timeout=TIMEOUT)
+    finally:
+        held.gate.set()
+        engine.close()
+    got = load_into({k: torch.empty_like(t) for k, t in state.items()}, tmp_path / "c")
+    assert all(bool((t == 0.0).all()) for t in got.values()), "a write after the call is in it"
+
+
+def test_cpu_batchnorm_statistics_updated_in_forward_are_not_in_the_checkpoint(
+        tmp_path: Path) -> None:
+    """BatchNorm's running statistics, updated in place by forward (no counter bumped) right
+    after the call: the checkpoint holds those of the call."""
+    bn = torch.nn.BatchNorm1d(64)
+    bn(torch.randn(8, 64))
+    state = {"bn": bn.state_dict()}
+    expected = clone_state(state)
+    version = bn.running_mean._version
+    held = HeldSettles()
+    engine = Engine(io_backend="threads", settle_pool=held)
+    try:
+        resp = dcp.async_save(state, checkpoint_id=tmp_path / "c", no_dist=True,
+                              storage_writer=DataStatesWriter(engine=engine))
+        bn(torch.randn(8, 64) + 5.0)
+        assert bn.running_mean._version == version
+        assert not torch.equal(bn.running_mean, expected["bn"]["running_mean"])
+        held.gate.set()
+        resp.upload_completion.result(timeout=TIMEOUT)
+    finally:
+        held.gate.set()
+        engine.close()
+    assert_state_equal(load_into(clone_state(expected), tmp_path / "c"), expected)
+
+
 def test_write_watch_reports_writes_before_the_fence_only() -> None:
     a, b, c = torch.zeros(4), torch.zeros(4), torch.zeros(4)
     watch = WriteWatch({0: a, 1: b, 2: c})
@@ -134,6 +211,37 @@ def test_gpu_optimizer_step_right_after_the_call_is_not_in_the_checkpoint(
         opt.zero_grad()
         resp.upload_completion.result(timeout=TIMEOUT)
         assert_state_equal(load_into(expected, tmp_path / f"c{k}"), to_cpu(expected))
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("write", ["p.data.add_", "set_ alias", "untyped_storage().copy_",
+                                   "batchnorm forward"])
+def test_gpu_small_tensors_written_without_a_counter_are_saved_as_at_the_call(
+        tmp_path: Path, write: str) -> None:
+    """Small GPU tensors (BatchNorm's statistics, at most ``AT_CALL_BYTES`` each) are copied
+    in the call: forward's update of the running statistics, or another write no version
+    counter tells of, right after ``async_save`` (before the optimizer's step) is not in the
+    checkpoint, and the save does not fail."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 256, device="cuda")
+    model(x).square().mean().backward()
+    state = {"model": model.state_dict()}
+    expected = clone_state(state)
+    resp = dcp.async_save(state, checkpoint_id=tmp_path / "c", no_dist=True,
+                          storage_writer=DataStatesWriter())
+    for _ in range(20):  # queued at once, well before the staging thread issues any copy
+        if write == "batchnorm forward":
+            model(x + 3.0)
+        else:
+            for t in (model[1].running_mean, model[1].running_var, model[0].bias):
+                UNCOUNTED_WRITES[write](t)
+    opt.step()
+    resp.upload_completion.result(timeout=TIMEOUT)
+    assert not torch.equal(model[1].running_mean.cpu(), expected["model"]["1.running_mean"].cpu())
+    assert_state_equal(load_into(expected, tmp_path / "c"), to_cpu(expected))
 
 
 def to_cpu(obj: object) -> object:

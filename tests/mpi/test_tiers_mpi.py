@@ -212,7 +212,8 @@ def sharded_rank_state(rank: int, step: int, mesh) -> dict:
 
 
 def test_persisted_checkpoint_loads_without_the_manager(world: World, nodes: Path,
-                                                        shared: Path, engine: Engine) -> None:
+                                                        shared: Path, engine: Engine,
+                                                        logs: pytest.LogCaptureFixture) -> None:
     """Persists on every rank make one DCP checkpoint of the job: a plain multi-rank dcp.load
     with DataStatesReader reads it (a DTensor saved as row shards loads as column shards and
     replicated), and so does one process reading every rank's items."""
@@ -224,10 +225,11 @@ def test_persisted_checkpoint_loads_without_the_manager(world: World, nodes: Pat
         for step in (1, 2):
             manager.save(step, sharded_rank_state(world.rank, step, mesh))
             manager.wait()
-        # the memory tier restores the DTensor shard too
+        # the memory tier restores the DTensor shard too (its step holds this rank's shard)
         out = sharded_rank_state(world.rank, 0, mesh)
         assert manager.load(out) == 2
         with collecting(errors, "memory-tier load with a DTensor"):
+            assert restored_from(logs, 2) == ["memory"]
             assert isinstance(out["sharded"]["w"], DTensor)
             full = out["sharded"]["w"].full_tensor()
             expected = rank_state(world.rank, 2)
