@@ -48,7 +48,13 @@ from .reports import Reports
 from .restore import Restorer, held, pick
 from .retention import ABANDONED, Retention
 from .slots import SlotPool
-from .steps import keep_replaced, remove_dead_unfinished, settle_replacing, step_dir
+from .steps import (
+    keep_replaced,
+    remove_dead_unfinished,
+    settle_killed_replacing,
+    settle_replacing,
+    step_dir,
+)
 from .unclosed import Unclosed, warn_unpersisted
 
 log = logging.getLogger("dcp_datastates")
@@ -132,6 +138,7 @@ class CheckpointManager:
                                   persists=self.persist_policy is not None)
         try:
             remove_dead_unfinished(self.memory)  # only its holder cleans a tier
+            settle_killed_replacing(self.memory)
             self._wire()
             # the engine's close finishes it: exit too
             self._unclosed = Unclosed.track(self.engine, self._finish_unclosed)

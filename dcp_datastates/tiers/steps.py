@@ -230,6 +230,23 @@ def keep_replaced(directory: Path) -> bool:
     return True
 
 
+def settle_killed_replacing(root: Path) -> list[int]:
+    """Settle the steps of ``root`` that a save of them again left marked (a process killed
+    meanwhile; the caller holds the tier's claim): each keeps the copy the save replaced
+    where that copy is the one here (:func:`keep_replaced`), else it goes (no restart loads
+    it). Returns the steps removed (logged)."""
+    removed = []
+    for s in steps(root):
+        directory = step_dir(root, s)
+        if (directory / REPLACING_NAME).exists() and not keep_replaced(directory):
+            remove_step(directory)
+            removed.append(s)
+    if removed:
+        log.warning("dcp_datastates: removed step(s) %s from %s: a save of them again was "
+                    "killed before every rank had committed it", removed, root)
+    return removed
+
+
 def complete(directory: Path) -> bool:
     try:
         check_complete(directory)

@@ -18,6 +18,7 @@ from helpers import (
     Tiers,
     assert_state_equal,
     blank_like,
+    data_files,
     load_into,
     run_then_kill,
     save,
@@ -28,10 +29,10 @@ from helpers.tiers import make_state, steps_in
 from dcp_datastates import CheckpointError, CheckpointManager, DataStatesWriter, Engine
 from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.tiers.steps import (
+    REPLACING_NAME,
     check_complete,
     complete,
     mark_replacing,
-    settle_replacing,
 )
 
 pytestmark = MARKS
@@ -63,6 +64,7 @@ def test_a_failed_save_of_a_step_again_keeps_its_copies(tiers: Tiers, durable: b
             assert manager.load(out) == 1
             assert_state_equal(out, first)
             assert steps_in(tiers.memory) == [1]
+            assert len(data_files(tiers.memory / "step_1")) == 1, "the failed save's file goes"
             assert steps_in(tiers.durable) == ([1] if durable else [])
         assert_state_equal(load_into(first, tiers.memory / "step_1"), first)
         if durable:
@@ -111,6 +113,9 @@ def test_a_save_of_a_step_again_killed_mid_write_keeps_its_copies(tiers: Tiers, 
         out = blank_like(first)
         assert manager.load(out) == 1
         assert_state_equal(out, first)
+        step = tiers.memory / "step_1"
+        assert len(data_files(step)) == 1, "the killed save's data file is gone"
+        assert not (step / REPLACING_NAME).exists()
     assert_state_equal(load_into(first, tiers.memory / "step_1"), first)
     if durable:
         assert_state_equal(load_into(first, tiers.durable / "step_1"), first)
@@ -119,7 +124,7 @@ def test_a_save_of_a_step_again_killed_mid_write_keeps_its_copies(tiers: Tiers, 
 def test_a_copy_not_every_rank_committed_is_not_complete(tiers: Tiers, engine: Engine) -> None:
     """A save of a step again marks the copy it replaces; a copy committed over it is part of
     no checkpoint until every rank has committed theirs (a rank killed meanwhile: a restart
-    must not load a mix of two saves), and is once the mark goes."""
+    must not load a mix of two saves): the next manager on the tier removes it."""
     first, second = make_state(1), make_state(2)
     directory = tiers.memory / "step_1"
     with CheckpointManager(None, memory_dir=tiers.memory, engine=engine) as manager:
@@ -132,6 +137,4 @@ def test_a_copy_not_every_rank_committed_is_not_complete(tiers: Tiers, engine: E
         check_complete(directory)
     with CheckpointManager(None, memory_dir=tiers.memory, engine=engine) as manager:
         assert manager.latest_step() is None
-    settle_replacing(directory)
-    assert complete(directory)
-    assert_state_equal(load_into(second, directory), second)
+    assert not directory.exists(), "the next manager on the tier removes it"
