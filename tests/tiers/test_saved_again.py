@@ -26,7 +26,13 @@ from helpers import (
 from helpers.fakes import FaultyBackend
 from helpers.tiers import make_state, steps_in
 
-from dcp_datastates import CheckpointError, CheckpointManager, DataStatesWriter, Engine
+from dcp_datastates import (
+    CheckpointError,
+    CheckpointManager,
+    DataStatesWriter,
+    Engine,
+    TierFullError,
+)
 from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.tiers.steps import (
     REPLACING_NAME,
@@ -71,6 +77,22 @@ def test_a_failed_save_of_a_step_again_keeps_its_copies(tiers: Tiers, durable: b
             assert_state_equal(load_into(first, tiers.durable / "step_1"), first)
     finally:
         engine.close()
+
+
+def test_a_save_of_a_step_again_the_tier_has_no_room_for_keeps_its_copy(
+        tiers: Tiers, engine: Engine) -> None:
+    """Step 1 saved again with a state the memory tier has no room for: TierFullError,
+    nothing written, and step 1 is still the latest, with its first state."""
+    first = make_state(1)
+    with CheckpointManager(None, memory_dir=tiers.memory, memory_limit="2MiB", persist=None,
+                           engine=engine) as manager:
+        manager.save(1, first).result(timeout=30)
+        with pytest.raises(TierFullError, match="Nothing was written"):
+            manager.save(1, make_state(2, big=4 << 20)).result(timeout=30)
+        assert manager.latest_step() == 1
+        out = blank_like(first)
+        assert manager.load(out) == 1
+        assert_state_equal(out, first)
 
 
 _CHILD = textwrap.dedent(
