@@ -31,12 +31,13 @@ import torch
 
 from ..arguments import checked_keywords
 from ..engine import Engine, default_engine
+from ..errors import CheckpointError
 from ..format.directory import memory_backed
 from ..jobs.snapshot import layout, walk
 from ..sizes import parse_size
 from .budget import Budget, check_max_overhead
 from .claims import TierClaims
-from .handles import SaveFigures, SaveHandle
+from .handles import SaveFigures, SaveHandle, failed_handle
 from .local_dcp import plain
 from .memory_save import MemorySaver, state_bytes
 from .persister import Persister
@@ -47,7 +48,14 @@ from .reports import Reports
 from .restore import Restorer, held, pick
 from .retention import ABANDONED, Retention
 from .slots import SlotPool
-from .steps import make_private, remove_dead_unfinished
+from .steps import (
+    keep_replaced,
+    make_private,
+    remove_dead_unfinished,
+    settle_killed_replacing,
+    settle_replacing,
+    step_dir,
+)
 from .unclosed import Unclosed, warn_unpersisted
 
 log = logging.getLogger("dcp_datastates")
@@ -135,6 +143,7 @@ class CheckpointManager:
                                   persists=self.persist_policy is not None)
         try:
             remove_dead_unfinished(self.memory)  # only its holder cleans a tier
+            settle_killed_replacing(self.memory)
             self._wire()
             # the engine's close finishes it: exit too
             self._unclosed = Unclosed.track(self.engine, self._finish_unclosed)
@@ -201,12 +210,14 @@ class CheckpointManager:
         :class:`TierFullError` in its handle (logged; nothing is written) and training goes on.
         The first save after ``load`` of an older step removes the newer steps from the memory
         tiers and moves the durable ones to ``durable_dir/.abandoned/<time>/`` (logged). A step
-        saved again (a tier holds it already) replaces it in every tier: the old copies leave
-        the memory tiers and the durable one moves aside the same way (logged; this save waits
-        for the saves and persists before it first). A step older than the newest one saved
-        or held (a counter that restarted) raises ValueError here, nothing written: retention
-        would delete it at once. Under ``max_overhead``, a save that does not fit is skipped:
-        its handle says why.
+        saved again (a tier holds it already) replaces it in every tier once the new save has
+        committed on every rank (this save waits for the saves and persists before it, then
+        for its own commit; collective): its ``.metadata`` replaces the old memory copy, then
+        the replicas leave the memory tiers and the durable copy moves aside the same way
+        (logged); a save that fails on some rank leaves the old copies. A step older than the
+        newest one saved or held (a counter that restarted) raises ValueError here, nothing
+        written: retention would delete it at once. Under ``max_overhead``, a save that does
+        not fit is skipped: its handle says why.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -233,12 +244,14 @@ class CheckpointManager:
                 return skipped
             if slots is not None:
                 slots.make_spares()
-        if step in self._taken:
-            self._drain()  # nothing reads the old copies while they go
-            self._retention.replace(step)
+        replacing = step in self._taken
+        if replacing:
+            self._drain()  # nothing reads the old copies while the new save replaces them
         self._taken.add(step)
         start = time.perf_counter()
-        handle = self._saver.start(step, plain(state), start, slot)
+        handle = self._saver.start(step, plain(state), start, slot, replacing)
+        if replacing:
+            handle = self._replaced(handle)
         if self._persister is not None:
             self._persister.after_save(handle)
         if self._replicator is not None:
@@ -248,6 +261,29 @@ class CheckpointManager:
         if self._budget is not None:
             self._budget.taken(handle)
         return handle
+
+    def _replaced(self, handle: SaveHandle) -> SaveHandle:
+        """Wait for the save of a step again to end here, then on every rank (collective).
+        Where every rank committed it, the old copies leave the other tiers (the memory tier's
+        went as the new one committed); else every rank keeps the copy it replaced, a rank
+        whose copy is not that one (it committed the new save) drops the step, and its handle
+        fails saying so."""
+        step, ok = handle.step, handle.committed.exception() is None
+        directory = step_dir(self.memory, step)
+        if self._ranks.all(ok):
+            settle_replacing(directory)
+            self._retention.replace(step)
+            return handle
+        if not keep_replaced(directory):
+            self._retention.drop(self.memory, step, reuse_slot=False)
+        if not ok:
+            return handle
+        error = CheckpointError(
+            f"the save of step {step} again into {directory} committed on this rank but not "
+            f"on every rank, so no rank takes it: the step keeps its earlier copies where a "
+            f"rank or the durable tier holds them, this rank's memory tier has none")
+        log.error("dcp_datastates: %s", error)
+        return failed_handle(step, error)
 
     def _check_not_older(self, step: int) -> None:
         """Raise ValueError where ``step`` is older than the newest step saved or held (after

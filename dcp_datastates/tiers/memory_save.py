@@ -31,7 +31,16 @@ from .ranks import Ranks
 from .replicator import Replicator
 from .retention import Retention
 from .slots import NextSlot, Slot, SlotPool
-from .steps import TierRecord, committed, make_private, size_of, step_dir, steps
+from .steps import (
+    TierRecord,
+    committed,
+    make_private,
+    mark_replacing,
+    settle_replacing,
+    size_of,
+    step_dir,
+    steps,
+)
 
 log = logging.getLogger("dcp_datastates")
 
@@ -61,16 +70,22 @@ class MemorySaver:
         self.planner = ReusingPlanner()
         self._failed: set[int] = set()  # steps whose latest save here failed
 
-    def start(self, step: int, state: dict, start: float,
-              slot: Slot | NextSlot | None) -> SaveHandle:
+    def start(self, step: int, state: dict, start: float, slot: Slot | NextSlot | None,
+              replacing: bool = False) -> SaveHandle:
         """Start the save of ``state`` (plain: no ``Stateful``) at ``step``; a save that cannot
-        start fails its handle (logged) and leaves nothing."""
+        start fails its handle (logged) and leaves nothing. ``replacing``: a rank holds the
+        step already; the copy here stays until the new save commits, marked
+        (:func:`~.steps.mark_replacing`) until every rank did."""
         directory = step_dir(self.memory, step)
         writer = None
         try:
             nbytes = state_bytes(state)
             self._admit(step, nbytes, slot.nbytes if slot is not None else 0)
             make_private(directory)
+            if replacing:
+                mark_replacing(directory)
+            else:  # no rank holds a copy: a mark a killed save left names none to keep
+                settle_replacing(directory)
             TierRecord(step, self.ranks.rank, self.ranks.world).write(directory)
             writer = DataStatesWriter(directory, engine=self.engine(), overwrite=True,
                                       snapshot_into=slot)

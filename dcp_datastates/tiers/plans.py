@@ -13,46 +13,55 @@ The cache is the planner's own (DCP's ``enable_plan_caching`` keeps class-level 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 #: A state's structure: one entry per flattened value (``None``: a value DCP must plan).
 Structure = tuple[object, ...]
+#: What DCP's planner records of a tensor: its write item's properties (a dataclass).
+Properties = Callable[[torch.Tensor], object]
 
 
-def structure(flat: dict[str, Any], paths: dict[str, tuple] | None = None) -> Structure | None:
+def structure(flat: dict[str, Any], paths: dict[str, tuple] | None = None,
+              properties: Properties = TensorProperties.create_from_tensor) -> Structure | None:
     """What DCP's default plan of the flattened state ``flat`` depends on, or None if a value
     is one whose plan may depend on more (a tensor subclass other than a DTensor over a plain
     tensor, an object with ``__create_write_items__``). ``paths``: the flattening's mappings
     (each name's path in the nested state, which the metadata's ``planner_data`` holds:
     ``{"a": {"b": t}}`` and ``{"a.b": t}`` flatten to the same name, not the same path).
+    ``properties``: what DCP's planner records of a tensor (its ``TensorProperties``).
 
-    A plain tensor's write item holds its shape and ``TensorProperties`` (dtype, layout,
-    requires_grad, pinned); a DTensor's its global shape, the properties of ``to_local()``
-    (whose requires_grad is the DTensor's with grad enabled, its local tensor's without) and
-    the offsets its placements and device mesh give this rank; any other value is a bytes
-    item, which holds only its name."""
+    A plain tensor's write item holds its shape (its chunk: zero offsets, its sizes) and its
+    properties, every field of them (dtype, layout, requires_grad, pinned; strides where torch
+    records them: whatever fields this torch has); a DTensor's its global shape, the
+    properties of ``to_local()`` (whose requires_grad is the DTensor's with grad enabled, its
+    local tensor's without) and the offsets its placements and device mesh give this rank;
+    any other value is a bytes item, which holds only its name."""
     out: list[object] = []
     for fqn, value in flat.items():
         name = fqn if paths is None else paths.get(fqn, fqn)
         kind = type(value)
         if kind is torch.Tensor:
-            out.append((name, value.dtype, value.layout, value.requires_grad, value.shape,
-                        value.is_pinned()))
+            out.append((name, value.shape, _fields(properties(value))))
         elif kind is DTensor and type(local := value._local_tensor) is torch.Tensor:
-            out.append((name, value.shape, value.requires_grad, local.dtype, local.layout,
-                        local.requires_grad, local.shape, local.is_pinned(), value.placements,
-                        value.device_mesh))
+            out.append((name, value.shape, value.requires_grad, local.shape,
+                        _fields(properties(local)), value.placements, value.device_mesh))
         elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
             return None
         else:
             out.append(name)
     return tuple(out)
+
+
+def _fields(record: object) -> tuple[object, ...]:
+    """Every field of the dataclass ``record``, in order (what DCP pickles of it)."""
+    return tuple(getattr(record, f.name) for f in dataclasses.fields(record))  # type: ignore[arg-type]
 
 
 class ReusingPlanner(DefaultSavePlanner):

@@ -6,7 +6,7 @@ stay until read, and retention runs again after; and the newest step sent to the
 stays until a newer one is sent or training leaves it (going back, the step saved again). A
 dropped memory step's ``.metadata`` goes first, then its data file goes back to being a free
 slot. Going back (``load`` of an older step, then training on) sets the newer steps aside; a
-step saved again is set aside the same way.
+step saved again is set aside the same way once every rank committed the new save.
 ``durable_dir/.abandoned`` keeps the newest ``keep_durable`` sets of steps set aside.
 """
 
@@ -152,16 +152,20 @@ class Retention:
         self._put_aside(lambda s: s > after, f"training went on from step {after}")
 
     def replace(self, step: int) -> None:
-        """``step`` is saved again: its copies leave the memory tiers and its durable copy
-        moves to ``durable_dir/.abandoned/<time>/``, so that no tier holds the old state under
-        that step once the new save commits. Collective."""
-        self._put_aside(lambda s: s == step, f"step {step} is saved again")
+        """``step`` was saved again, and every rank committed the new save in its memory tier
+        (which replaced the old copy there as it committed): the replicas of the old copies
+        leave the memory tiers and the old durable copy moves to
+        ``durable_dir/.abandoned/<time>/``, so that no tier holds the old state under that
+        step. Collective."""
+        self._put_aside(lambda s: s == step, f"step {step} is saved again", mine=False)
 
-    def _put_aside(self, which: Callable[[int], bool], why: str) -> None:
+    def _put_aside(self, which: Callable[[int], bool], why: str, *, mine: bool = True) -> None:
+        """Steps ``which`` leave the memory tiers (this rank's own only if ``mine``); the
+        durable ones move to ``durable_dir/.abandoned/<time>/``."""
         with self._lock:  # the newest step sent belongs to the run left: it goes too
             if self._sent is not None and which(self._sent):
                 self._sent = None
-        for root in self.memory_roots():
+        for root in self.memory_roots()[0 if mine else 1:]:
             for s in steps(root):
                 if which(s):
                     self.drop(root, s)

@@ -117,6 +117,17 @@ class Slot:
         except OSError:  # closed since it was read
             return 0
 
+    def pages(self) -> int:
+        """Bytes of the tier the slot's file holds now: a slot being sized, or that the tier
+        had no room for, holds fewer than it takes once sized (:attr:`nbytes`)."""
+        arena, fd = self.arena, self.fd
+        if arena is not None:
+            return arena.nbytes
+        try:
+            return os.fstat(fd).st_blocks * 512 if fd >= 0 else 0
+        except OSError:  # closed since it was read
+            return 0
+
     def size_for(self, total: int, entries: int) -> int:
         """Bytes the slot takes once :meth:`fit` for ``total`` bytes of ``entries`` tensors."""
         return _slot_size(max(self.room, self.pool.room), total, entries)
@@ -212,8 +223,9 @@ class NextSlot:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a slot of the pool takes on the tier (the save reuses one)."""
-        return self.pool.slot_bytes()
+        """Bytes of the tier that the slot this save is to get holds now (the save reuses
+        them; :meth:`SlotPool.next_bytes`)."""
+        return self.pool.next_bytes(self)
 
     def when_ready(self, queue: Callable[[], None]) -> None:
         """Call ``queue`` once the pool has given this save its slot (or has closed)."""
@@ -424,6 +436,26 @@ class SlotPool:
         with self._lock:
             slots = [*self._free, *self._readying, *self._held.values()]
         return max((s.nbytes for s in slots), default=0)
+
+    def next_bytes(self, waiting: NextSlot) -> int:
+        """Bytes of the tier that the slot ``waiting`` is to get holds now: the free slot
+        (or one being readied) that comes to it in save order, whose pages may not be there
+        yet (a slot made for it, that the tier may have no room for), else one that a step
+        or a save holds and gives back (the largest)."""
+        with self._lock:
+            if waiting.slot is not None:
+                return waiting.slot.pages()
+            ahead = [w for w in self._waiting if w.slot is None]
+            if waiting not in ahead:
+                return 0  # settled: it gets none
+            order = sorted([s for s in [*self._free, *self._readying] if s not in self._doomed],
+                           key=lambda s: (s.pinned, s in self._readying, s.fd >= 0),
+                           reverse=True)
+            index = ahead.index(waiting)
+            if index < len(order):
+                return order[index].pages()
+            slots = [*self._held.values()]
+        return max((s.pages() for s in slots), default=0)
 
     def need_room(self, header_len: int) -> None:
         """A save's header of ``header_len`` bytes did not fit before its data: slots are

@@ -23,10 +23,13 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from ..errors import CheckpointCorruptError, CheckpointError, brief
-from ..format.directory import DirectoryClaim, new_token
+from ..format.directory import DirectoryClaim, new_token, remove_unreferenced
 from ..format.entries import check_locations
 from ..format.metadata_file import METADATA_NAME, read_metadata
+from ..jobs.commit import data_files
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 RECORD_NAME = ".tier.json"
@@ -36,6 +39,10 @@ NAMING_NAME = ".dcp_datastates-steps"
 PREFIXES = {"step_": STEP_RE, "step-": re.compile(r"^step-(\d+)$")}
 #: The mode of the directories of a memory tier, and of the tier: the user's alone.
 PRIVATE_MODE = 0o700
+#: A memory-tier step being saved again holds this file until every rank has committed the new
+#: save: the save id of the ``.metadata`` that the new save replaces ("" where it held none).
+#: A ``.metadata`` of another save there is one that not every rank took: not complete.
+REPLACING_NAME = ".replacing"
 
 log = logging.getLogger("dcp_datastates")
 
@@ -200,6 +207,7 @@ def check_complete(directory: Path) -> None:
 
 def _check_complete(directory: Path) -> None:
     metadata = read_metadata(directory)
+    _check_settled(directory, metadata)
     check_locations(directory, metadata)
     ends: dict[str, int] = {}
     for loc in metadata.storage_data.values():
@@ -212,6 +220,86 @@ def _check_complete(directory: Path) -> None:
         if size < end:
             raise CheckpointCorruptError(
                 f"{directory}/{name}: {size} bytes where .metadata needs {end}")
+
+
+def _save_id(metadata: Metadata) -> str:
+    meta = metadata.storage_meta
+    return str(meta.save_id) if meta is not None and meta.save_id is not None else ""
+
+
+def _check_settled(directory: Path, metadata: Metadata) -> None:
+    """Raise CheckpointError where a save of this step again left ``metadata`` here without
+    every rank having committed it (:data:`REPLACING_NAME`)."""
+    try:
+        replaced = (directory / REPLACING_NAME).read_text()
+    except FileNotFoundError:
+        return
+    if replaced != _save_id(metadata):
+        raise CheckpointError(
+            f"{directory}: a save of this step again (save {_save_id(metadata)}) was not "
+            f"committed on every rank ({REPLACING_NAME} names the copy it replaced, save "
+            f"{replaced or 'none'}), so this copy is not part of a checkpoint")
+
+
+def mark_replacing(directory: Path) -> None:
+    """A save of the step ``directory`` again starts: mark the copy it replaces (none where
+    the step is not committed), unless an earlier such save left a mark (it still names the
+    copy every rank had)."""
+    path = directory / REPLACING_NAME
+    if path.exists():
+        return
+    try:
+        replaced = _save_id(read_metadata(directory)) if committed(directory) else ""
+    except DAMAGE_ERRORS:
+        replaced = ""  # a damaged copy is none
+    tmp = directory / f"{REPLACING_NAME}.{new_token()}.tmp"
+    tmp.write_text(replaced)
+    os.replace(tmp, path)
+
+
+def settle_replacing(directory: Path) -> None:
+    """Every rank committed the save of the step ``directory`` again: its mark goes."""
+    (directory / REPLACING_NAME).unlink(missing_ok=True)
+
+
+def keep_replaced(directory: Path) -> bool:
+    """A save of the step ``directory`` again did not commit on every rank: keep the copy it
+    replaced (the failed save's data files go, then the mark). False where the copy here is
+    not that one (the new save's, or none): the caller drops the step."""
+    try:
+        replaced = (directory / REPLACING_NAME).read_text()
+    except FileNotFoundError:
+        return True  # the save wrote nothing here
+    try:
+        metadata = read_metadata(directory)
+    except DAMAGE_ERRORS:
+        return False
+    if not replaced or _save_id(metadata) != replaced:
+        return False
+    claim = DirectoryClaim(directory)
+    try:
+        remove_unreferenced(directory, data_files(metadata))
+    finally:
+        claim.release()
+    settle_replacing(directory)
+    return True
+
+
+def settle_killed_replacing(root: Path) -> list[int]:
+    """Settle the steps of ``root`` that a save of them again left marked (a process killed
+    meanwhile; the caller holds the tier's claim): each keeps the copy the save replaced
+    where that copy is the one here (:func:`keep_replaced`), else it goes (no restart loads
+    it). Returns the steps removed (logged)."""
+    removed = []
+    for s in steps(root):
+        directory = step_dir(root, s)
+        if (directory / REPLACING_NAME).exists() and not keep_replaced(directory):
+            remove_step(directory)
+            removed.append(s)
+    if removed:
+        log.warning("dcp_datastates: removed step(s) %s from %s: a save of them again was "
+                    "killed before every rank had committed it", removed, root)
+    return removed
 
 
 def complete(directory: Path) -> bool:

@@ -522,6 +522,50 @@ def test_going_back_sets_the_newer_steps_aside_on_every_rank(world: World, nodes
     agree(errors, "durable tier after going back")
 
 
+def test_a_save_again_failing_on_one_rank_keeps_the_step_on_every_rank(world: World, nodes: Path,
+                                                                     shared: Path,
+                                                                     engine: Engine) -> None:
+    """Step 1 persisted, then saved again with a state rank 1's memory tier has no room for:
+    no rank takes the new save (the ranks that committed it drop it, their handles say why),
+    and step 1 loads with its first state on every rank, never a mix of the two saves."""
+    mine = nodes / f"node_{world.rank}"
+    durable = shared / "durable"
+    limit = 3 << 20 if world.rank == 1 else None
+
+    def state(step: int, big: bool) -> dict:
+        extra = {"big": rand_tensor((5 << 19,), torch.uint8, step)} if big else {}
+        return {**rank_state(world.rank, step), **extra}
+
+    errors: list[str] = []
+    manager = CheckpointManager(durable, memory_dir=mine, memory_limit=limit, keep_memory=1,
+                                persist=1, engine=engine)
+    try:
+        manager.save(1, state(1, big=False))
+        manager.wait()
+        again = manager.save(1, state(2, big=True))
+        with collecting(errors, "save again"):
+            err = again.committed.exception(timeout=30)
+            if world.rank == 1:
+                assert isinstance(err, TierFullError), err
+            else:
+                assert isinstance(err, CheckpointError), err
+                assert "committed on this rank but not on every rank" in str(err), str(err)
+            assert again.persisted is None
+        error_of(manager.wait)
+        latest = manager.latest_step()
+        out = blank_like(state(1, big=False))
+        loaded = manager.load(out)
+        with collecting(errors, "restore"):
+            assert (latest, loaded) == (1, 1)
+            assert_state_equal(out, state(1, big=False))
+    finally:
+        error_of(manager.close)
+    with collecting(errors, "tiers"):
+        assert committed_steps(durable) == [1]
+        assert committed_steps(mine) == ([1] if world.rank == 1 else [])
+    agree(errors, f"a save again failing on rank 1 of {world.size}")
+
+
 # -- one manager per tier directory: the durable tier is the job's -------------------------------
 def test_one_job_claims_the_durable_tier_each_rank_its_memory_tier(
         world: World, nodes: Path, shared: Path, engine: Engine) -> None:

@@ -6,6 +6,7 @@ subtly (the same names nested differently, a DTensor made trainable) are planned
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import MARKS, ROOT, Tiers, assert_state_equal, load_into, rand_tensor
 from helpers.tiers import FailFsync, make_state, save_through
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorProperties
 
 from dcp_datastates import CheckpointManager, DataStatesReader, Engine
 from dcp_datastates.io import ThreadPoolBackend
@@ -279,21 +281,54 @@ def test_a_dtensor_whose_requires_grad_changes_is_planned_again(tmp_path: Path) 
     assert "DTENSOR-OK" in done.stdout, done.stdout + done.stderr
 
 
-def test_empty_and_strided_tensors_keep_their_plan_and_load(tmp_path: Path,
-                                                           make_writer) -> None:
-    """Empty tensors and a non-contiguous tensor of the same shape: the plan is reused
-    (DCP's plan does not hold strides on this torch) and every save loads bit for bit."""
+def test_empty_and_strided_tensors_are_stored_as_a_fresh_plan_stores_them(
+        tmp_path: Path, make_writer) -> None:
+    """Empty tensors and a non-contiguous tensor of the same shape, its strides changing from
+    save to save: every save loads bit for bit and holds a fresh plan's metadata (on a torch
+    whose ``TensorProperties`` hold strides, a save whose strides changed is planned afresh,
+    not stored with the previous save's strides; on one without, the plan is reused)."""
     planner = ReusingPlanner()
     base = rand_tensor((4, 6), torch.float32, 3)
+    last, planned = None, 0
     for i, w in enumerate([base, base.t().contiguous().t(), base.clone()]):
         state = {"w": w, "e": torch.empty(0), "z": torch.zeros(0, 3), "n": i}
         directory = tmp_path / f"s{i}"
         dcp.save(state, storage_writer=make_writer(directory), planner=planner, no_dist=True)
         planner.release()
         assert_state_equal(load_into(state, directory), state)
-        assert stored_metadata(directory).state_dict_metadata == \
-            fresh_metadata(state).state_dict_metadata
-    assert (planner.planned, planner.reused) == (1, 2)
+        fresh = fresh_metadata(state).state_dict_metadata
+        assert stored_metadata(directory).state_dict_metadata == fresh
+        planned += fresh != last
+        last = fresh
+    assert (planner.planned, planner.reused) == (planned, 3 - planned)
+
+
+@dataclasses.dataclass
+class StridedProperties:
+    """A tensor's properties as a torch that records strides has them (2.15's
+    ``TensorProperties``)."""
+
+    dtype: torch.dtype
+    strides: tuple[int, ...]
+
+
+def strided(tensor: torch.Tensor) -> StridedProperties:
+    return StridedProperties(tensor.dtype, tuple(tensor.stride()))
+
+
+def test_structure_holds_every_field_of_a_tensors_properties() -> None:
+    """The structure holds every field of what DCP records of a tensor, whichever fields this
+    torch's ``TensorProperties`` has: with strides among them, a tensor whose strides changed
+    is another structure (its plan would store the old strides); on this torch, two tensors
+    are one structure exactly where DCP records the same properties."""
+    base = rand_tensor((4, 6), torch.float32, 3)
+    other = base.t().contiguous().t()
+    assert structure({"w": base}, properties=strided) != structure({"w": other},
+                                                                   properties=strided)
+    assert structure({"w": base}, properties=strided) == structure({"w": base.clone()},
+                                                                   properties=strided)
+    same = TensorProperties.create_from_tensor(base) == TensorProperties.create_from_tensor(other)
+    assert (structure({"w": base}) == structure({"w": other})) == same
 
 
 def test_two_hundred_saves_keep_one_plan(tmp_path: Path, make_writer) -> None:

@@ -82,8 +82,8 @@ def test_saves_during_an_exchange_are_not_replicated_and_never_wait(tmp_path: Pa
 
 def test_the_newest_step_sent_goes_with_the_run_that_was_left(tmp_path: Path) -> None:
     """The newest step replicated is kept in memory until a newer one is sent, but not once
-    training leaves it: going back past it, or saving it again, removes it like the other steps
-    of that run, so a restart never takes it for the newest step."""
+    training leaves it: going back past it removes it like the other steps of that run, and
+    saving it again lets retention drop it, so a restart never takes it for the newest step."""
     memory = tmp_path / "memory"
     exchange = HeldExchange()
     exchange.gate.set()
@@ -107,7 +107,9 @@ def test_the_newest_step_sent_goes_with_the_run_that_was_left(tmp_path: Path) ->
         replicator.committed(handle)
         replicator.drain()
         assert exchange.sent == [1, 2, 3, 2]
-        retention.replace(2)  # step 2 saved again: its old copy goes, sent or not
-        assert committed_steps(memory) == [1]
+        retention.replace(2)  # step 2 saved again, committed over the copy sent: not kept
+        committed_step(memory, 3)
+        retention.retain(memory, 1)
+        assert committed_steps(memory) == [3]
     finally:
         replicator.close()

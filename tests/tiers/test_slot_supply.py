@@ -6,6 +6,7 @@ injected engine (``HeldPinEngine``); waits are bounded, never timed."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -14,11 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MARKS, Tiers, assert_state_equal, blank_like, mounted_tmpfs
+from helpers import (
+    MARKS,
+    Tiers,
+    assert_state_equal,
+    blank_like,
+    mounted_tmpfs,
+    rand_tensor,
+)
 from helpers.fakes import Costly, FakeClock, HeldPinEngine, HeldPinRoomEngine
 from helpers.tiers import make_state, slot_files, steps_in, tier_files, wait_until
 
-from dcp_datastates import CheckpointManager, Engine
+from dcp_datastates import CheckpointManager, Engine, TierFullError
 from dcp_datastates.format.align import round_up
 from dcp_datastates.sizes import free_bytes
 from dcp_datastates.tiers.manager import _snapshot_size
@@ -314,3 +322,40 @@ def test_a_budgeted_save_while_the_slots_are_made_waits_aside_for_one(
     finally:
         engine.gate.set()
         engine.close()
+
+
+@pytest.mark.parametrize("prepare", [True, False], ids=["prepare", "no-prepare"])
+@pytest.mark.parametrize("durable", [False, True], ids=["memory", "persisted"])
+def test_a_tier_with_room_for_one_state_refuses_the_next_save_before_writing(
+        tiers: Tiers, engine: Engine, prepare: bool, durable: bool) -> None:
+    """A tmpfs with room for one state and a third (a 48 MiB state in a 64 MiB tier, scaled
+    down), keep_memory=1: prepare() makes the one slot it has room for. The second save
+    needs a slot with pages of its own (the first step's slot stays until it commits): it
+    fails with TierFullError before writing anything, as without prepare() (not with ENOSPC
+    half-way through its data file). Where the first step is persisted, it leaves the tier
+    to make room, and every save commits."""
+    size = 6 * MiB
+    with mounted_tmpfs("8m", "dcp_tier_one_state_") as mnt:
+        tier = mnt / "tier"
+        with CheckpointManager(tiers.durable if durable else None, memory_dir=tier,
+                               keep_memory=1, persist=1 if durable else None,
+                               engine=engine) as manager:
+            states = {s: {"x": rand_tensor((size,), torch.uint8, s)} for s in (1, 2, 3)}
+            if prepare:
+                manager.prepare(states[1], wait=True)
+            manager.save(1, states[1]).result(timeout=30)
+            for step in (2, 3):
+                handle = manager.save(step, states[step])
+                if durable:
+                    handle.result(timeout=30)
+                    continue
+                with pytest.raises(TierFullError, match=rf"the checkpoint of step {step} "
+                                                        r"needs .*Nothing was written"):
+                    handle.result(timeout=30)
+                assert sorted(p.name for p in tier.glob("step_*")) == ["step_1"]
+            with contextlib.suppress(TierFullError):
+                manager.wait()
+            newest = 3 if durable else 1
+            out = blank_like(states[newest])
+            assert manager.load(out) == newest
+            assert_state_equal(out, states[newest])
