@@ -86,8 +86,9 @@ def _open_to(st: os.stat_result) -> str:
                                               ("others", stat.S_IWOTH)) if st.st_mode & bit)
 
 
-#: How a tier path's directories are opened: never through a symbolic link.
-_WALK = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How a tier path's directories are opened: never through a symbolic link; ``O_PATH``, so a
+#: directory the user may search but not list (0711) is passed through.
+_WALK = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Symbolic links one walk follows at most (as the kernel's limit).
 _MAX_LINKS = 40
 
@@ -130,7 +131,7 @@ def _walk(directory: Path, what: str) -> int:
     Return its descriptor."""
     fds = [os.open("/", _WALK)]
     at, links = [Path("/")], 0
-    todo = list(reversed(directory.parts[1:]))
+    todo = list(reversed(directory.absolute().parts[1:]))
     try:
         while todo:
             name = todo.pop()
@@ -150,8 +151,11 @@ def _walk(directory: Path, what: str) -> int:
             except OSError as exc:
                 if exc.errno == errno.ENOENT:
                     raise FileNotFoundError(f"{what} {directory} does not exist") from None
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not stat.S_ISLNK(
-                        os.stat(name, dir_fd=fds[-1], follow_symlinks=False).st_mode):
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(exc.errno, f"{what} {directory}: cannot open "
+                                             f"{at[-1] / name}: {exc.strerror}") from None
+                if not stat.S_ISLNK(os.stat(name, dir_fd=fds[-1],
+                                            follow_symlinks=False).st_mode):
                     raise NotADirectoryError(f"{what} {directory}: {at[-1] / name} is not a "
                                              f"directory") from None
                 links += 1
@@ -196,7 +200,11 @@ class TierDirectory:
             return
         now = stat.S_IMODE(os.fstat(self.fd).st_mode)
         if now & 0o777 & ~mode:
-            os.fchmod(self.fd, now & ~(0o777 & ~mode))
+            fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.fd)
+            try:  # (an O_PATH descriptor cannot change the mode)
+                os.fchmod(fd, now & ~(0o777 & ~mode))
+            finally:
+                os.close(fd)
             log.info("dcp_datastates: %s %s was mode %04o: made %04o", self.what, self.path,
                      now, now & ~(0o777 & ~mode))
 

@@ -139,7 +139,7 @@ def test_a_tier_under_a_directory_another_user_owns_is_refused(tiers: Tiers,
     """The durable tier is ours, but a directory above it is another user's: he could rename
     the tier away and put his own (a planted step) in its place. Refused when the manager is
     made, naming that directory, its owner and its mode; so is a memory tier reached through
-    a symbolic link in such a directory."""
+    a symbolic link in such a directory, or through another user's link in a sticky one."""
     theirs = tiers.durable.parent / "bob"
     durable = theirs / "alice"
     durable.mkdir(parents=True)
@@ -157,6 +157,15 @@ def test_a_tier_under_a_directory_another_user_owns_is_refused(tiers: Tiers,
             rf"memory tier {link / 'memory'}: the directory {link.parent} above it is owned "
             rf"by uid {OTHER_UID}\b")):
         CheckpointManager(memory_dir=link / "memory", engine=engine)
+    sticky = tiers.scratch / "tmp"
+    sticky.mkdir(mode=0o1777)
+    os.chmod(sticky, 0o1777)
+    (sticky / "theirs").symlink_to(tiers.memory.parent)  # another's entry in a sticky /tmp
+    os.chown(sticky / "theirs", OTHER_UID, OTHER_UID, follow_symlinks=False)
+    with pytest.raises(CheckpointError, match=(
+            rf"memory tier {sticky / 'theirs' / 'memory'}: {sticky / 'theirs'} is owned by uid "
+            rf"{OTHER_UID}\b.*, in {sticky} that others may write")):
+        CheckpointManager(memory_dir=sticky / "theirs" / "memory", engine=engine)
 
 
 def test_a_tier_under_a_directory_others_may_write_is_refused_unless_sticky(
