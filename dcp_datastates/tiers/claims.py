@@ -197,8 +197,10 @@ class TierClaims:
         self._together(error, self.release)
 
     def _together(self, error: Exception | None, first: Callable[[], None]) -> None:
-        """Where any rank has an ``error`` (collective), call ``first``, then raise this
-        rank's, or the first failed rank's."""
+        """Where any rank has an ``error`` (collective: one all-reduce where none has), call
+        ``first``, then raise this rank's, or the first failed rank's."""
+        if self._ranks.all(error is None):
+            return
         errors = self._ranks.gather(None if error is None else str(error))
         failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
         if failed is not None:

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import pytest
 from helpers import MARKS, ROOT, Tiers
-from helpers.tiers import make_state, persist, steps_in
+from helpers.tiers import HoldWrites, make_state, persist, steps_in
 
 from dcp_datastates import CheckpointError, CheckpointManager, Engine
+from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.tiers.claims import claimed, claimed_durable
 from dcp_datastates.tiers.private import user_root
 
@@ -230,6 +231,31 @@ def test_a_tier_swapped_after_its_check_is_refused_and_nothing_planted_runs(
             manager.close()
     assert not marker.exists(), "a planted step's pickle ran"
     assert steps_in(tier) == [9] and steps_in(tier.parent / "away") == [1]
+
+
+def test_a_durable_tier_swapped_while_a_persist_waits_is_not_written(tiers: Tiers) -> None:
+    """The durable tier is swapped while a persist waits for its step's memory commit (held
+    by the I/O backend): the persist fails saying so, and writes nothing into the directory
+    now there."""
+    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
+    engine = Engine(io_backend=hold, host_cache_size="8MiB", io_workers=4)
+    try:
+        manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine)
+        handle = manager.save(1, make_state(1))
+        assert hold.held.wait(30)
+        tiers.durable.rename(tiers.durable.parent / "away")
+        tiers.durable.mkdir()
+        hold.gate.set()
+        assert handle.persisted is not None
+        with pytest.raises(CheckpointError, match=(
+                rf"durable tier {tiers.durable} is no longer the directory this manager")):
+            handle.persisted.result(timeout=30)
+        with pytest.raises(CheckpointError, match="no longer the directory"):
+            manager.close()
+    finally:
+        hold.gate.set()
+        engine.close()
+    assert os.listdir(tiers.durable) == [] and steps_in(tiers.memory) == [1]
 
 
 def test_a_memory_tier_made_readable_holds_nothing_others_can_read(tiers: Tiers,
