@@ -125,50 +125,36 @@ def _entry_in_sticky(st_above: os.stat_result, fd: int, name: str, above: Path,
 
 
 def _walk(directory: Path, what: str) -> int:
-    """Open the directory ``directory`` (absolute) component by component with ``O_NOFOLLOW``,
-    checking every directory passed through (:func:`_check_above`) and the tier itself
+    """Open the directory ``directory`` component by component with ``O_NOFOLLOW``, checking
+    every directory passed through (:func:`_check_above`) and the tier itself
     (:func:`_check_mine`); a symbolic link is read and its target walked the same way.
     Return its descriptor."""
-    fds = [os.open("/", _WALK)]
-    at, links = [Path("/")], 0
+    fds, at, links = [os.open("/", _WALK)], [Path("/")], 0
     todo = list(reversed(directory.absolute().parts[1:]))
     try:
         while todo:
             name = todo.pop()
-            if name in ("", "."):
-                continue
-            if name == "..":
-                if len(fds) > 1:
-                    os.close(fds.pop())
-                    at.pop()
+            if name == ".." and len(fds) > 1:
+                os.close(fds.pop())
+                at.pop()
+            if name in ("", ".", ".."):
                 continue
             st_above = os.fstat(fds[-1])
             _check_above(st_above, at[-1], directory, what)
             _entry_in_sticky(st_above, fds[-1], name, at[-1], directory, what)
-            try:
-                fds.append(os.open(name, _WALK, dir_fd=fds[-1]))
+            opened = _open_in(fds[-1], name, at[-1], directory, what)
+            if isinstance(opened, int):
+                fds.append(opened)
                 at.append(at[-1] / name)
-            except OSError as exc:
-                if exc.errno == errno.ENOENT:
-                    raise FileNotFoundError(f"{what} {directory} does not exist") from None
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise OSError(exc.errno, f"{what} {directory}: cannot open "
-                                             f"{at[-1] / name}: {exc.strerror}") from None
-                if not stat.S_ISLNK(os.stat(name, dir_fd=fds[-1],
-                                            follow_symlinks=False).st_mode):
-                    raise NotADirectoryError(f"{what} {directory}: {at[-1] / name} is not a "
-                                             f"directory") from None
-                links += 1
-                if links > _MAX_LINKS:
-                    raise CheckpointError(f"{what} {directory}: too many symbolic links") \
-                        from None
-                target = Path(os.readlink(name, dir_fd=fds[-1]))
-                todo.extend(reversed(target.parts))
-                if target.is_absolute():
-                    todo.pop()  # the "/": walk from the root again
-                    for fd in fds[1:]:
-                        os.close(fd)
-                    del fds[1:], at[1:]
+                continue
+            links += 1
+            if links > _MAX_LINKS:
+                raise CheckpointError(f"{what} {directory}: too many symbolic links")
+            todo.extend(reversed(opened.parts[1:] if opened.is_absolute() else opened.parts))
+            if opened.is_absolute():  # walk from the root again
+                for fd in fds[1:]:
+                    os.close(fd)
+                del fds[1:], at[1:]
         _check_mine(os.fstat(fds[-1]), directory, what)
         return fds.pop()
     finally:
@@ -176,10 +162,26 @@ def _walk(directory: Path, what: str) -> int:
             os.close(fd)
 
 
+def _open_in(fd: int, name: str, above: Path, directory: Path, what: str) -> int | Path:
+    """The directory ``name`` in ``fd`` (``above``) open, or the target of the symbolic link
+    ``name``; raise, naming it, where it is neither or cannot be opened."""
+    try:
+        return os.open(name, _WALK, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(f"{what} {directory} does not exist") from None
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise OSError(exc.errno, f"{what} {directory}: cannot open {above / name}: "
+                                     f"{exc.strerror}") from None
+    if not stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+        raise NotADirectoryError(f"{what} {directory}: {above / name} is not a directory")
+    return Path(os.readlink(name, dir_fd=fd))
+
+
 class TierDirectory:
     """The tier ``path`` opened by :func:`_walk` (every directory on the way checked), held
-    open until :meth:`close`; a tier that does not exist yet is opened when it comes
-    (:meth:`verify`), ``required`` ones raise FileNotFoundError."""
+    open until :meth:`close`; a tier that does not exist yet (a durable tier only loaded
+    from) is opened when it comes (:meth:`verify`)."""
 
     def __init__(self, path: Path, what: str) -> None:
         self.path, self.what = path, what
