@@ -1,11 +1,12 @@
 """``export --format torch``: the whole state dict, nested as saved, in one ``torch.save``
-file, written under a temporary name, fsynced, then renamed."""
+file, written under a temporary name, fsynced, then renamed. No pickled code of the checkpoint
+runs: a non-tensor item that ``torch.load(weights_only=True)`` refuses is exported as its
+pickle's bytes, with a warning naming it."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import pickle
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def export_torch(args: argparse.Namespace, path: Path, out: Path) -> int:
         return 1
     with command_engine(args) as engine:
         reader = DataStatesReader(path, engine=engine, verify_checksums=not args.no_verify)
-        state = load_whole(path, reader)
+        state, refused = load_whole(path, reader)
     assert reader.metadata is not None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -42,26 +43,14 @@ def export_torch(args: argparse.Namespace, path: Path, out: Path) -> int:
     write_new_with(out.parent / f".{out.name}.tmp.{new_token()}", out,
                    lambda f: torch.save(state, f))
     fsync_dir(out.parent)
-    if (why := _weights_only_refusal(out)) is not None:
-        print(f"warning: {out}: torch.load(weights_only=True) refuses it ({why}); "
-              f"torch.load(weights_only=False) loads it, running its pickles: only if you "
-              f"trust the checkpoint", file=sys.stderr)
+    for fqn, why in sorted(refused.items()):
+        print(f"warning: item '{fqn}' of {path}: torch.load(weights_only=True) refuses its "
+              f"pickle ({why}): exported as its bytes, not run (torch.load(io.BytesIO(them), "
+              f"weights_only=False) runs it: only if you trust the checkpoint)", file=sys.stderr)
     items, tensors, nbytes = _counts(reader.metadata)
     print(f"exported {items} items ({tensors} tensors, {nbytes} bytes of tensor data, "
           f"{format_size(nbytes)}) to {out}")
     return 0
-
-
-def _weights_only_refusal(out: Path) -> str | None:
-    """Why ``torch.load(out, weights_only=True)`` fails (a non-tensor item of a class it does
-    not allow), or None where it loads. Tensors are mapped, not read."""
-    try:
-        torch.load(out, mmap=True, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        return next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0] if lines
-                    else type(exc).__name__)
-    return None
 
 
 def _counts(md: Metadata) -> tuple[int, int, int]:

@@ -13,10 +13,11 @@ one, fails naming the directory, the holder and its pid, on every rank.
 The ``persist`` command claims the memory tiers it reads and the durable tier it writes;
 ``persist`` commands on one durable tier (one per node, ``--partial``) take turns there.
 
-Before a tier is claimed it is made if need be and checked (:mod:`.private`: owned by this
-user, writable by no one else), and it must be writable where the holder is to write it: a
-durable tier a manager only loads from (``persist=None``) may be read-only, and is then not
-claimed (nothing of this process is written there).
+Before a tier is claimed it is made if need be, opened and checked (:mod:`.private`: owned by
+this user, writable by no one else, and so is every directory above it), and it must be
+writable where the holder is to write it: a durable tier a manager only loads from
+(``persist=None``) may be read-only, and is then not claimed (nothing of this process is
+written there).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError
 from ..format.directory import DirectoryClaim
-from .private import check_tier, writable
+from .private import TierDirectory, open_tier, writable
 from .ranks import Ranks
 from .steps import PRIVATE_MODE, make_private
 
@@ -85,12 +86,14 @@ def _holder(path: Path) -> tuple[int | None, str]:
         time.sleep(0.005)
 
 
-def _ready_tier(directory: Path, what: str, mode: int, *, required: bool) -> bool:
-    """Check that the tier ``directory`` is this user's (:func:`~.private.check_tier`), and
-    return whether this process may write it. ``required``: it is to be written, so it is
-    made (with ``mode``) if need be, and CheckpointError (saying why and what to do) is
-    raised where it cannot be made or written; else a tier that does not exist is left
-    alone (False)."""
+def _ready_tier(directory: Path, what: str, mode: int, *,
+                required: bool) -> tuple[TierDirectory, bool]:
+    """Open the tier ``directory`` (:func:`~.private.open_tier`: it and every directory above
+    it checked), and return it and whether this process may write it; a tier it may write is
+    narrowed to ``mode`` (:meth:`~.private.TierDirectory.narrow`). ``required``: it is to be
+    written, so it is made (with ``mode``) if need be, and CheckpointError (saying why and
+    what to do) is raised where it cannot be made or written; else a tier that does not exist
+    is left alone (not open, False)."""
     if required:
         try:
             if mode == MEMORY_MODE:
@@ -99,20 +102,25 @@ def _ready_tier(directory: Path, what: str, mode: int, *, required: bool) -> boo
                 directory.mkdir(parents=True, exist_ok=True, mode=mode)
         except OSError as exc:
             raise CheckpointError(f"{what} {directory} cannot be made: {exc}") from exc
-    elif not directory.exists():
-        return False
-    check_tier(directory, what)
-    if writable(directory):
-        return True
-    if required:
-        raise CheckpointError(
-            f"{what} {directory} is not writable by this user: checkpoints could not be "
-            f"written there. Make it writable (chmod u+w {directory}), or give another "
-            f"directory" + (" (or persist=None to only load from it)"
-                            if what == "durable tier" else ""))
+    tier = open_tier(directory, what)
+    if tier.fd is None:
+        return tier, False
+    try:
+        if writable(directory):
+            tier.narrow(mode)
+            return tier, True
+        if required:
+            raise CheckpointError(
+                f"{what} {directory} is not writable by this user: checkpoints could not be "
+                f"written there. Make it writable (chmod u+w {directory}), or give another "
+                f"directory" + (" (or persist=None to only load from it)"
+                                if what == "durable tier" else ""))
+    except BaseException:
+        tier.close()
+        raise
     log.info("dcp_datastates: %s %s is not writable by this user: read only, not claimed",
              what, directory)
-    return False
+    return tier, False
 
 
 def _claim_tier(directory: Path, what: str, holder: str) -> TierClaim:
@@ -131,7 +139,9 @@ def claimed(directories: list[Path], what: str) -> Iterator[None]:
     one. A tier it may not write (another user's job left it readable) is read unclaimed."""
     with contextlib.ExitStack() as held:
         for directory in directories:
-            if _ready_tier(directory, what, MEMORY_MODE, required=False):
+            tier, mine = _ready_tier(directory, what, MEMORY_MODE, required=False)
+            held.callback(tier.close)
+            if mine:
                 held.callback(_claim_tier(directory, what, PERSIST_COMMAND).release)
         yield
 
@@ -143,56 +153,100 @@ def claimed_durable(directory: Path) -> Iterator[None]:
     and its pid; where another ``persist`` command does (a ``--partial`` run of another node),
     wait for it to end. A tier that does not exist yet (no manager holds it) or that this
     user may not write (the write fails, naming it) is not claimed."""
-    if not _ready_tier(directory, "durable tier", DURABLE_MODE, required=False):
-        yield
-        return
-    while True:
-        try:
-            claim = _claim_tier(directory, "durable tier", PERSIST_COMMAND)
-            break
-        except CheckpointError:
-            if _holder(directory / LOCK_NAME)[1] != PERSIST_COMMAND:
-                raise
-            time.sleep(TURN_WAIT_S)
+    tier, mine = _ready_tier(directory, "durable tier", DURABLE_MODE, required=False)
     try:
-        yield
+        if not mine:
+            yield
+            return
+        while True:
+            try:
+                claim = _claim_tier(directory, "durable tier", PERSIST_COMMAND)
+                break
+            except CheckpointError:
+                if _holder(directory / LOCK_NAME)[1] != PERSIST_COMMAND:
+                    raise
+                time.sleep(TURN_WAIT_S)
+        try:
+            yield
+        finally:
+            claim.release()
     finally:
-        claim.release()
+        tier.close()
 
 
 class TierClaims:
-    """This rank's memory tier and (rank 0's) the job's durable tier, checked and claimed
-    collectively: where any rank cannot, every rank raises that rank's error. ``persists``:
-    the manager writes the durable tier (else it may be read-only, and is then not claimed).
-    ``durable_new``: no manager had claimed the durable tier before (its lock file, which stays,
-    was missing on rank 0): a tier made anew, or removed and made again."""
+    """This rank's memory tier and (rank 0's) the job's durable tier, checked, held open
+    (:class:`~.private.TierDirectory`) and claimed collectively: where any rank cannot, every
+    rank raises that rank's error. ``persists``: the manager writes the durable tier (else it
+    may be read-only, and is then not claimed). ``durable_new``: no manager had claimed the
+    durable tier before (its lock file, which stays, was missing on rank 0): a tier made anew,
+    or removed and made again."""
 
     def __init__(self, memory: Path, durable: Path | None, ranks: Ranks, *,
                  persists: bool) -> None:
         self._held: list[TierClaim] = []
+        self._tiers: list[TierDirectory] = []
+        self._ranks = ranks
         error: Exception | None = None
         self.durable_new = durable is not None and ranks.rank == 0 and not (
             durable / LOCK_NAME).exists()  # rank 0's, the rank that claims it: gathered below
         try:
-            _ready_tier(memory, "memory tier", MEMORY_MODE, required=True)
+            self._tiers.append(_ready_tier(memory, "memory tier", MEMORY_MODE,
+                                           required=True)[0])
             self._held.append(_claim_tier(memory, "memory tier", MANAGER))
-            if durable is not None and _ready_tier(durable, "durable tier", DURABLE_MODE,
-                                                  required=persists) and ranks.rank == 0:
-                self._held.append(_claim_tier(durable, "durable tier", MANAGER))
+            if durable is not None:
+                tier, mine = _ready_tier(durable, "durable tier", DURABLE_MODE,
+                                         required=persists)
+                self._tiers.append(tier)
+                if mine and ranks.rank == 0:
+                    self._held.append(_claim_tier(durable, "durable tier", MANAGER))
         except (CheckpointError, OSError) as exc:  # every rank must reach the gather
             error = exc
         gathered = ranks.gather((None if error is None else str(error), self.durable_new))
-        errors = [e for e, _ in gathered]
         self.durable_new = gathered[0][1]
+        self._raise_first(error, [e for e, _ in gathered], self.release)
+
+    def _together(self, error: Exception | None, first: Callable[[], None]) -> None:
+        """Where any rank has an ``error`` (collective: one all-reduce where none has), call
+        ``first``, then raise this rank's, or the first failed rank's."""
+        if self._ranks.all(error is None):
+            return
+        self._raise_first(error, self._ranks.gather(None if error is None else str(error)),
+                          first)
+
+    @staticmethod
+    def _raise_first(error: Exception | None, errors: list[str | None],
+                     first: Callable[[], None]) -> None:
+        """Where a rank failed (``errors``, by rank), call ``first``, then raise this rank's
+        ``error``, or the first failed rank's."""
         failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
         if failed is not None:
-            self.release()
+            first()
             if error is not None:
                 raise error
             raise CheckpointError(f"rank {failed[0]}: {failed[1]}")
 
+    def verify(self) -> None:
+        """Raise CheckpointError where a tier's path no longer names the directory held
+        (:meth:`~.private.TierDirectory.verify`): call before each use of the tiers."""
+        for tier in self._tiers:
+            tier.verify()
+
+    def verify_together(self) -> None:
+        """:meth:`verify` on every rank (collective): where it fails on one, every rank
+        raises."""
+        error: Exception | None = None
+        try:
+            self.verify()
+        except (CheckpointError, OSError) as exc:
+            error = exc
+        self._together(error, lambda: None)
+
     def release(self) -> None:
-        """Drop the claims (idempotent)."""
+        """Drop the claims and close the tiers (idempotent)."""
         held, self._held = self._held, []
+        tiers, self._tiers = self._tiers, []
         for claim in held:
             claim.release()
+        for tier in tiers:
+            tier.close()

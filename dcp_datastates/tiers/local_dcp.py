@@ -14,11 +14,16 @@ that warning nor touches the process's warning filters.
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -62,16 +67,48 @@ def load(state: dict, directory: Path, reader: DataStatesReader) -> None:
             state[key] = loaded[key]
 
 
-def load_whole(directory: Path, reader: DataStatesReader) -> dict:
+def load_whole(directory: Path, reader: DataStatesReader) -> tuple[dict, dict[str, str]]:
     """The whole state dict of the checkpoint in ``directory``, made from its metadata and
     nested as it was saved (DCP's ``_EmptyStateDictLoadPlanner``, as DCP's
-    ``dcp_to_torch_save`` loads), in CPU memory."""
+    ``dcp_to_torch_save`` loads), in CPU memory, running no pickled code: bytes items are
+    unpickled by ``torch.load(weights_only=True)``; one it refuses stays its pickle's bytes.
+    Also returns those items: fqn -> why it was refused."""
     state: dict = {}
+    planner = _WeightsOnlyPlanner()
     with _storage_errors():
         reader.reset(str(directory))
         _load_state_dict(state_dict=state, storage_reader=reader, no_dist=True,
-                         planner=_EmptyStateDictLoadPlanner())
-    return state
+                         planner=planner)
+    return state, planner.refused
+
+
+class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's whole-state planner whose bytes items are unpickled with ``weights_only=True``
+    (DCP's own runs any pickle); an item it refuses is kept as its bytes, in ``refused``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: dict[str, str] = {}
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            item: object = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            self.refused[fqn] = _first_line(exc)
+            item = value.getvalue()
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], item)
+        else:
+            self.state_dict[fqn] = item
+
+
+def _first_line(exc: Exception) -> str:
+    """The sentence of ``torch.load``'s refusal that says what it refused."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    line = next((ln for ln in lines if "WeightsUnpickler error" in ln),
+                lines[0] if lines else type(exc).__name__)
+    return line.split(". ")[0].rstrip(".")
 
 
 @contextlib.contextmanager

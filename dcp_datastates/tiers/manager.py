@@ -104,8 +104,10 @@ class CheckpointManager:
     constructor): make it on every rank at the same point. It claims its memory tier, and the
     job (through rank 0) its durable tier (:mod:`.claims`): a second manager on either fails
     here, naming the directory and the holder's pid. A tier directory another user owns or
-    may write, or one it cannot write (the durable tier: unless ``persist=None``), fails
-    here too, saying why (:mod:`.private`).
+    may write (or a directory above it), or one it cannot write (the durable tier: unless
+    ``persist=None``), fails here too, saying why (:mod:`.private`). The tiers are held open
+    until ``close()``; a tier renamed away and replaced meanwhile fails the next ``save``,
+    ``load``, ``latest_step`` or ``close`` on every rank, nothing read from or written to it.
     """
 
     @checked_keywords
@@ -182,7 +184,7 @@ class CheckpointManager:
                 self.persist_policy, self.durable, self._retention,
                 keep=(self.keep_memory, self.keep_durable), ranks=self._ranks,
                 engine=self._engine_now, after=self._after.submit, history=self.history,
-                errors=self._reports)
+                errors=self._reports, check=self._claims.verify)
 
     def _start_over(self) -> str | None:
         """Where the durable tier is new (no manager used it before), how to start over
@@ -223,6 +225,7 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self._check_open("no more saves")
         self._check_not_older(step)
+        self._claims.verify_together()
         if self._rollback is not None:
             self._retention.set_aside(self._rollback)
             self._taken = {s for s in self._taken if s <= self._rollback}
@@ -373,6 +376,7 @@ class CheckpointManager:
         self._closed = True
         try:
             self._drain()
+            self._claims.verify_together()
             if self._persister is not None:
                 self._persister.leftover(self._restorer.views(), "the newest checkpoint")
             self._drain()
@@ -435,6 +439,7 @@ class CheckpointManager:
         A step whose persist found it damaged is dropped from the memory tier: never this."""
         self._check_open("no steps to tell")
         self._drain()
+        self._claims.verify_together()
         return pick(self._restorer.views(), None)
 
     def load(self, state: dict, step: int | None = None) -> int:
@@ -449,6 +454,7 @@ class CheckpointManager:
         """
         self._check_open("nothing to load")
         self._drain()
+        self._claims.verify_together()
         chosen, newer = self._restorer.restore(state, step)
         self._rollback = chosen if newer else None
         if newer:

@@ -36,18 +36,20 @@ class Persister:
     ``ranks``: every rank, on the manager's group (save-time decisions); ``chain``: the same
     ranks on the persist thread's group (the ``"idle"`` chain); ``after``: runs a call on the
     thread that keeps the tiers in save order; ``history``: the figures of the saves;
-    ``errors``: where errors no handle carries are kept for ``wait`` and ``close`` to raise.
+    ``errors``: where errors no handle carries are kept for ``wait`` and ``close`` to raise;
+    ``check``: raises where the tiers may not be used (:meth:`~.claims.TierClaims.verify`), before
+    each persist.
     """
 
     def __init__(self, policy: int | str, durable: Path, retention: Retention, *,
                  keep: tuple[int, int | None], ranks: Ranks, engine: Callable[[], Engine],
                  after: Callable[..., object], history: deque[SaveFigures],
-                 errors: Reports) -> None:
+                 errors: Reports, check: Callable[[], None]) -> None:
         self.policy, self.durable, self.retention = policy, durable, retention
         self.memory = retention.memory
         self.keep_memory, self.keep_durable = keep
         self.ranks, self.engine, self.after = ranks, engine, after
-        self.history, self.errors = history, errors
+        self.history, self.errors, self.check = history, errors, check
         self.chain = ranks.another_group() if policy == "idle" else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-persist")
         self._persisting: Future | None = None
@@ -156,6 +158,7 @@ class Persister:
             with self.retention.reading(step):  # from the start: retention must not take it
                 if memory_commit is not None:
                     memory_commit.result()
+                self.check()
                 done = persist_part(self.engine(), step_dir(self.memory, step), target,
                                     self.ranks.rank, self.ranks.world)
         except BaseException as exc:  # noqa: BLE001 - the caller raises or records it

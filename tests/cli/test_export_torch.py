@@ -4,6 +4,7 @@ name; checksums checked as it reads."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import MARKS, assert_state_equal, clone_state, rand_tensor
+from helpers import MARKS, assert_state_equal, rand_tensor
 
 from dcp_datastates import DataStatesWriter, Engine, cli
 from dcp_datastates.format.metadata_file import read_metadata
@@ -145,16 +146,47 @@ class Thing:
         return isinstance(other, Thing) and other.value == self.value
 
 
-def test_an_item_weights_only_refuses_is_said(tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    state = {"w": rand_tensor((5,), torch.float32, 9), "thing": Thing(3)}
-    expected = clone_state(state)
+class Planted:
+    """A bytes item whose pickle, run, would make the file ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def _refused_warning(fqn: str, ckpt: Path, what: str) -> str:
+    return (f"warning: item '{fqn}' of {ckpt}: torch.load(weights_only=True) refuses its "
+            f"pickle (WeightsUnpickler error: Unsupported global: GLOBAL {what} was not an "
+            f"allowed global by default): exported as its bytes, not run")
+
+
+def test_a_crafted_bytes_item_is_exported_as_its_bytes_never_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint whose bytes items' pickles run code (a planted ``exec``) or need a class
+    (``Thing``): nothing runs; each is exported as its pickle's bytes, named in a warning;
+    tensors and the items ``weights_only`` allows are exported as saved, and the file loads
+    with ``torch.load(weights_only=True)``."""
+    marker = tmp_path / "pwned"
+    state = {"w": rand_tensor((5,), torch.float32, 9), "step": 3, "evil": Planted(marker),
+             "cfg": {"thing": Thing(3)}}
+    w = state["w"].clone()
     ckpt = _save(state, tmp_path / "ckpt")
+    stored = {k.fqn: (ckpt / v.file).read_bytes()[v.offset:v.offset + v.length]
+              for k, v in read_metadata(ckpt).storage_data.items()}
     out = tmp_path / "model.pt"
     code, stdout, err = _export(capsys, str(ckpt), str(out))
     assert code == 0, err
-    assert err.startswith(f"warning: {out}: torch.load(weights_only=True) refuses it "
-                          f"(WeightsUnpickler error: Unsupported global: GLOBAL "
-                          f"{__name__}.Thing was not an allowed global"), err
-    assert stdout.startswith("exported 2 items (1 tensors")
-    assert_state_equal(torch.load(out, weights_only=False), expected)
+    assert not marker.exists(), "the export ran the checkpoint's pickled code"
+    lines = err.splitlines()
+    assert len(lines) == 2, err
+    assert lines[0].startswith(_refused_warning("cfg.thing", ckpt, f"{__name__}.Thing")), err
+    assert lines[1].startswith(_refused_warning("evil", ckpt, "exec")), err
+    assert stdout.startswith("exported 4 items (1 tensors")
+    got = torch.load(out, weights_only=True)
+    assert not marker.exists()
+    assert sorted(got) == ["cfg", "evil", "step", "w"] and got["step"] == 3
+    assert torch.equal(got["w"], w)
+    assert got["evil"] == stored["evil"] and got["cfg"]["thing"] == stored["cfg.thing"]
+    assert torch.load(io.BytesIO(got["cfg"]["thing"]), weights_only=False) == Thing(3)

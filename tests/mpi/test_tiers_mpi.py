@@ -592,6 +592,31 @@ def test_one_job_claims_the_durable_tier_each_rank_its_memory_tier(
     agree(errors, f"one claim of the durable tier on {world.size} ranks")
 
 
+def test_a_tier_swapped_on_one_rank_fails_every_rank(world: World, nodes: Path, shared: Path,
+                                                     engine: Engine) -> None:
+    """The last rank's memory tier is renamed away and another directory put in its place
+    between two calls: ``load`` and ``close`` fail on every rank (none is left waiting in a
+    collective), naming that rank and its tier."""
+    last = world.size - 1
+    memory = nodes / f"node_{world.rank}"
+    manager = CheckpointManager(shared / "durable", memory_dir=memory, persist=None,
+                                engine=engine)
+    manager.save(1, rank_state(world.rank, 1)).result(timeout=60)
+    manager.wait()
+    if world.rank == last:
+        memory.rename(nodes / "away")
+        memory.mkdir(mode=0o700)
+    dist.barrier()
+    swap = f"memory tier {nodes / f'node_{last}'} is no longer the directory"
+    mine = "" if world.rank == last else f"rank {last}: "
+    errors: list[str] = []
+    for call in (lambda: manager.load(rank_state(world.rank, 0)), manager.close):
+        err = error_of(call)
+        with collecting(errors, "swapped tier"):
+            assert isinstance(err, CheckpointError) and str(err).startswith(mine + swap), err
+    agree(errors, f"a tier swapped on rank {last} of {world.size}")
+
+
 # -- a manager not closed ------------------------------------------------------------------------
 def test_engine_close_finishes_an_unclosed_manager_without_collectives(
         world: World, nodes: Path, shared: Path, logs) -> None:

@@ -1,9 +1,11 @@
 """Tier directories belong to the user (``dcp_datastates.tiers.private``, ``.claims``): a tier
-another user owns or may write is refused (it could hold planted steps), the default memory
-root is per user and private, a tier is claimed by a lock inside it (so a durable tier whose
-parent the user may not write is claimed too, and nothing is left beside the tiers), an
-unwritable durable tier is refused when the manager is made, and a refused claim names what
-holds it.
+another user owns or may write is refused (it could hold planted steps), so is one under a
+directory another user could rename it out of, a tier swapped after its check is refused at the
+next call (nothing planted runs), a memory tier's files are out of other users' reach whatever
+mode its directory had, the default memory root is per user and private, a tier is claimed by
+a lock inside it (so a durable tier whose parent the user may not write is claimed too, and
+nothing is left beside the tiers), an unwritable durable tier is refused when the manager is
+made, and a refused claim names what holds it.
 
 Permissions are set with ``os.chmod`` / ``os.chown``. Where the tests run as root (who writes
 anywhere), what a user without write permission sees is run in a child process without the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -22,9 +25,10 @@ from pathlib import Path
 
 import pytest
 from helpers import MARKS, ROOT, Tiers
-from helpers.tiers import make_state, persist, steps_in
+from helpers.tiers import HoldWrites, make_state, persist, steps_in
 
 from dcp_datastates import CheckpointError, CheckpointManager, Engine
+from dcp_datastates.io import ThreadPoolBackend
 from dcp_datastates.tiers.claims import claimed, claimed_durable
 from dcp_datastates.tiers.private import user_root
 
@@ -127,6 +131,156 @@ def test_the_default_memory_tier_is_under_a_private_root_of_the_user(
     finally:
         manager.close()
         shutil.rmtree(manager.memory.parent, ignore_errors=True)
+
+
+# -- every directory above a tier, and a tier swapped ---------------------------------------------
+@as_root
+def test_a_tier_under_a_directory_another_user_owns_is_refused(tiers: Tiers,
+                                                               engine: Engine) -> None:
+    """The durable tier is ours, but a directory above it is another user's: he could rename
+    the tier away and put his own (a planted step) in its place. Refused when the manager is
+    made, naming that directory, its owner and its mode; so is a memory tier reached through
+    a symbolic link in such a directory, or through another user's link in a sticky one."""
+    theirs = tiers.durable.parent / "bob"
+    durable = theirs / "alice"
+    durable.mkdir(parents=True)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    with pytest.raises(CheckpointError, match=(
+            rf"durable tier {durable}: the directory {theirs} above it is owned by uid "
+            rf"{OTHER_UID}\b.*\(mode 0755\), who could rename the tier away and put another "
+            rf"in its place")):
+        CheckpointManager(durable, memory_dir=tiers.memory, engine=engine)
+    link = tiers.scratch / "bob" / "link"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(tiers.memory.parent)
+    os.chown(link.parent, OTHER_UID, OTHER_UID)
+    with pytest.raises(CheckpointError, match=(
+            rf"memory tier {link / 'memory'}: the directory {link.parent} above it is owned "
+            rf"by uid {OTHER_UID}\b")):
+        CheckpointManager(memory_dir=link / "memory", engine=engine)
+    sticky = tiers.scratch / "tmp"
+    sticky.mkdir(mode=0o1777)
+    os.chmod(sticky, 0o1777)
+    (sticky / "theirs").symlink_to(tiers.memory.parent)  # another's entry in a sticky /tmp
+    os.chown(sticky / "theirs", OTHER_UID, OTHER_UID, follow_symlinks=False)
+    with pytest.raises(CheckpointError, match=(
+            rf"memory tier {sticky / 'theirs' / 'memory'}: {sticky / 'theirs'} is owned by uid "
+            rf"{OTHER_UID}\b.*, in {sticky} that others may write")):
+        CheckpointManager(memory_dir=sticky / "theirs" / "memory", engine=engine)
+
+
+def test_a_tier_under_a_directory_others_may_write_is_refused_unless_sticky(
+        tiers: Tiers, engine: Engine) -> None:
+    """A directory above the tier that others may write and that is not sticky lets them
+    rename the tier: refused, naming it and its mode; sticky (as /tmp), it is used."""
+    shared = tiers.durable.parent / "shared"
+    durable = shared / "alice"
+    durable.mkdir(parents=True)
+    os.chmod(shared, 0o777)
+    with pytest.raises(CheckpointError, match=(
+            rf"durable tier {durable}: the directory {shared} above it is writable by its "
+            rf"group and others \(mode 0777\) and not sticky")):
+        CheckpointManager(durable, memory_dir=tiers.memory, engine=engine)
+    os.chmod(shared, 0o1777)
+    with CheckpointManager(durable, memory_dir=tiers.memory, engine=engine) as manager:
+        manager.save(1, make_state(1)).result(timeout=30)
+    assert steps_in(durable) == [1]
+
+
+class Planted:
+    """A bytes item whose pickle, run, makes the file ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+@pytest.mark.parametrize("swapped", ["durable", "memory"])
+def test_a_tier_swapped_after_its_check_is_refused_and_nothing_planted_runs(
+        tiers: Tiers, engine: Engine, swapped: str) -> None:
+    """Between two calls of the manager, its tier is renamed away and another is put in its
+    place, holding a newer step whose bytes item would run code: ``load``, ``latest_step``,
+    ``save`` and ``close`` refuse, naming the tier; the planted pickle never runs and nothing
+    is written into the planted directory."""
+    tier = tiers.durable if swapped == "durable" else tiers.memory
+    marker, planted = tiers.scratch / "pwned", tier.parent / "planted"
+    bad = make_state(9)
+    bad["extra"]["tag"] = Planted(marker)
+    planter_dirs = ((planted, tiers.scratch / "bob") if swapped == "durable" else
+                    (tiers.scratch / "bob", planted))
+    with CheckpointManager(planter_dirs[0], memory_dir=planter_dirs[1], engine=engine) as bob:
+        bob.save(9, bad).result(timeout=30)
+    marker.unlink()  # the planter's own save copies the state, running it
+    manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine)
+    try:
+        manager.save(1, make_state(1)).result(timeout=30)
+        manager.wait()
+        tier.rename(tier.parent / "away")
+        planted.rename(tier)
+        swap = rf"{swapped} tier {tier} is no longer the directory this manager checked"
+        with pytest.raises(CheckpointError, match=swap):
+            manager.load(make_state(0))
+        with pytest.raises(CheckpointError, match=swap):
+            manager.latest_step()
+        with pytest.raises(CheckpointError, match=swap):
+            manager.save(2, make_state(2))
+    finally:
+        with pytest.raises(CheckpointError, match=swap):
+            manager.close()
+    assert not marker.exists(), "a planted step's pickle ran"
+    assert steps_in(tier) == [9] and steps_in(tier.parent / "away") == [1]
+
+
+def test_a_durable_tier_swapped_while_a_persist_waits_is_not_written(tiers: Tiers) -> None:
+    """The durable tier is swapped while a persist waits for its step's memory commit (held
+    by the I/O backend): the persist fails saying so, and writes nothing into the directory
+    now there."""
+    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
+    engine = Engine(io_backend=hold, host_cache_size="8MiB", io_workers=4)
+    try:
+        manager = CheckpointManager(tiers.durable, memory_dir=tiers.memory, engine=engine)
+        handle = manager.save(1, make_state(1))
+        assert hold.held.wait(30)
+        tiers.durable.rename(tiers.durable.parent / "away")
+        tiers.durable.mkdir()
+        hold.gate.set()
+        assert handle.persisted is not None
+        with pytest.raises(CheckpointError, match=(
+                rf"durable tier {tiers.durable} is no longer the directory this manager")):
+            handle.persisted.result(timeout=30)
+        with pytest.raises(CheckpointError, match="no longer the directory"):
+            manager.close()
+    finally:
+        hold.gate.set()
+        engine.close()
+    assert os.listdir(tiers.durable) == [] and steps_in(tiers.memory) == [1]
+
+
+def test_a_memory_tier_made_readable_holds_nothing_others_can_read(tiers: Tiers,
+                                                                    engine: Engine) -> None:
+    """``memory_dir`` made with ``mkdir`` under umask 022 (mode 0755): the manager makes it
+    0700, so nothing it writes there is within other users' reach; as root, a process of
+    another user reads none of the tier's files."""
+    old = os.umask(0o022)
+    try:
+        tiers.memory.mkdir(parents=True)
+        assert stat.S_IMODE(tiers.memory.stat().st_mode) == 0o755
+        with CheckpointManager(memory_dir=tiers.memory, engine=engine) as manager:
+            manager.save(1, make_state(1)).result(timeout=30)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(tiers.memory.stat().st_mode) == 0o700
+    files = [str(p) for p in tiers.memory.rglob("*") if p.is_file()]
+    assert len(files) >= 3 and steps_in(tiers.memory) == [1], files
+    if os.geteuid() == 0:
+        os.chmod(tiers.memory.parent, 0o755)  # what lies above the tier lets others through
+        read = subprocess.run(
+            ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
+             "sh", "-c", 'for f; do cat "$f" >/dev/null 2>&1 && echo "$f"; done; exit 0', "sh",
+             *files], capture_output=True, text=True, timeout=60)
+        assert read.returncode == 0 and read.stdout == "", (read.stdout, read.stderr)
 
 
 # -- claims inside the tier ----------------------------------------------------------------------
