@@ -55,9 +55,9 @@ ITEM_1 = pytest.mark.xfail(strict=True, reason=(
     "issue 48 item 1: a manager restarted on another number of ranks loads part of the "
     "model from its memory tier (fixed on branch tiers)"))
 LAYOUT = pytest.mark.xfail(strict=True, reason=(
-    "found by the oracle (issue 48, like item 1): a manager restarted on the same ranks into "
-    "another layout loads from each rank's memory tier, which lacks the other ranks' chunks: "
-    "those bytes are left as they were, silently"))
+    "found by the oracle (issue 48, not fixed yet): a manager restarted on the same ranks "
+    "into another layout loads each rank's memory tier, which lacks the other ranks' chunks: "
+    "their bytes are left as they were, silently, with the durable tier holding them all"))
 
 world = mpi_util.world
 shared = mpi_util.shared
@@ -182,14 +182,17 @@ def test_manager_restarted_on_one_rank_loads_what_dcp_loads(
 def test_manager_memory_tier_into_another_layout(world: World, shared: Path, nodes: Path,
                                                  engine: Engine, meshes: Meshes,
                                                  target: str) -> None:
-    """Shard(1) DTensors saved by a manager on the world, restarted on the same ranks and
-    loaded into Replicate ones (every rank needs every chunk) or the same Shard(1)."""
+    """Shard(1) DTensors saved by a manager on the world (memory and durable tiers),
+    restarted on the same ranks and loaded into Replicate ones (every rank needs every chunk)
+    or the same Shard(1)."""
     full = rand_tensor((5, 4 * world.size + 1), torch.float32, seed=7)
     mine = nodes / f"node_{world.rank}"
     state = {"w": distribute_tensor(full, meshes.flat, [Shard(1)])}
     reference = save_reference(state, shared / "dcp")
-    with CheckpointManager(None, memory_dir=mine, engine=engine) as manager:
-        manager.save(1, state).committed.result(timeout=60)
+    durable = shared / "durable"
+    with CheckpointManager(durable, memory_dir=mine, persist=1, engine=engine) as manager:
+        manager.save(1, state)
+        manager.wait()
     placements = [Replicate()] if target == "replicate" else [Shard(1)]
 
     def template() -> dict:
@@ -199,7 +202,7 @@ def test_manager_memory_tier_into_another_layout(world: World, shared: Path, nod
 
     problems: list[str] = []
     with collecting(problems, "restart"):
-        with CheckpointManager(None, memory_dir=mine, engine=engine) as manager:
+        with CheckpointManager(durable, memory_dir=mine, engine=engine) as manager:
             ours = template()
             manager.load(ours)
         theirs = load_reference(reference, template())
