@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from helpers import MARKS
 from helpers.oracle import (
@@ -102,3 +103,21 @@ def test_loads_what_dcp_loads(seed: int, path: str, part: str, meshes: Meshes,
             where = f"{path}, {'no_dist' if full else '1 rank'}{', mirror' if mirror else ''}"
             problems += differences(ours, theirs, f"[{where}] state")
     assert not problems, report(problems, seed)
+
+
+def test_the_oracle_names_each_difference() -> None:
+    """The comparison is not blind: a flipped byte, a lost bit, a changed value, a missing key
+    are each named by item."""
+    theirs, ours = make_state(5, None), make_state(5, None)
+    ours["plain"]["mixed"][2]["t"].view(torch.uint8)[0, 1] ^= 1
+    ours["plain"]["step"] = "other"
+    theirs["bits"] = torch.ones(2, dtype=torch.complex64).conj()
+    ours["bits"] = theirs["bits"].resolve_conj()
+    del ours["plain"]["deep"]["a"]["b"]["n"]
+    assert differences(ours, theirs, "s") == [
+        "s.plain.step: 'other', DCP gives " + repr(theirs["plain"]["step"]),
+        "s.plain.mixed[2].t: bytes differ from byte 1 of 8 (1 differ)",
+        "s.plain.deep.a.b: {'c': " + repr(ours["plain"]["deep"]["a"]["b"]["c"])
+        + "}, DCP gives keys ['c', 'n']",
+        "s.bits: is_conj() False, DCP gives True",
+    ]
