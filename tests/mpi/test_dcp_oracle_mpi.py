@@ -154,7 +154,7 @@ def test_manager_restarted_on_one_rank_loads_what_dcp_loads(
         memory: str) -> None:
     """A manager's step saved on the world, restarted as one process: with rank 0's memory
     tier (``kept``) or none (``lost``: from the durable tier)."""
-    seed = SEEDS[0]
+    seed = 0  # whatever the seeds: its DTensors have chunks on every rank of 2 and 4
     state = make_state(seed, meshes)
     reference = save_reference(state, shared / "dcp")
     durable, mine = shared / "durable", nodes / f"node_{world.rank}"
