@@ -194,6 +194,9 @@ def _plain_values(seed: int, rng: random.Random, make: _Make) -> dict:
         "mixed": [make.value(seed), make.tensor((rng.randint(0, 5),), torch.int64),
                   {"k": make.value("v"), "t": make.tensor((2, 2), torch.float16)}],
         "deep": {"a": {"b": {"c": make.tensor((), torch.float64), "n": make.value(None)}}},
+        "param": torch.nn.Parameter(make.tensor((3, 4), torch.float32)),
+        "channels_last": make.tensor((2, 3, 4, 5), torch.bfloat16).to(
+            memory_format=torch.channels_last),
     }
 
 
