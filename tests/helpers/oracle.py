@@ -351,9 +351,12 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
 
 # -- comparison ----------------------------------------------------------------------------------
 def _resolved_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s values (a DTensor's local shard), conjugate and negative bits
+    applied; copied into fresh memory (``contiguous()`` keeps a size-1 dimension's stride,
+    which ``view`` refuses)."""
     t = t.to_local() if isinstance(t, DTensor) else t
-    t = t.detach().resolve_conj().resolve_neg().contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    t = t.detach().resolve_conj().resolve_neg()
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
 
 
 def _tensor_differences(ours: object, theirs: torch.Tensor, where: str) -> list[str]:
