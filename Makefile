@@ -16,9 +16,16 @@ APT_LISTS_LOCK := /var/lib/apt/lists/lock
 WAIT_APT_LISTS := $(SUDO) timeout 600 $(PYTHON) -c 'import fcntl; \
 	fcntl.lockf(open("$(APT_LISTS_LOCK)", "a"), fcntl.LOCK_EX)' || true
 SHIM := dcp_datastates/_lib/libdcp_uring.so
-MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 600 mpirun --oversubscribe
+MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+MPIRUN := $(MPI_ENV) timeout 600 mpirun --oversubscribe
 MPI_TESTS := tests/mpi/test_mpi.py tests/integrations/test_torchtitan_integration.py \
-             tests/mpi/test_tiers_mpi.py tests/mpi/test_budget_mpi.py
+             tests/mpi/test_tiers_mpi.py tests/mpi/test_budget_mpi.py \
+             tests/mpi/test_dcp_oracle_mpi.py
+# make fuzz: the DCP-oracle tests over seeds FUZZ_SEEDS (DCP_ORACLE_SEEDS's form: "0-999" or
+# "3,8"), on one rank and under mpirun -n 2 and -n 4, each run stopped after FUZZ_TIMEOUT s
+FUZZ_SEEDS ?= 0-499
+FUZZ_TIMEOUT ?= 14400
+FUZZ_PYTEST := $(PY) -m pytest -q --color=no -p no:cacheprovider -p no:logging
 # torchtitan 0.2.x (pure Python, pinned, with the one package its checkpointer and trainer import
 # that .venv lacks): installed beside torchtitan 0.3.0, put first on PYTHONPATH by a second run
 # of the torchtitan tests
@@ -28,7 +35,7 @@ TITAN_TESTS := tests/integrations/test_torchtitan_integration.py \
                tests/integrations/test_torchtitan_trainer.py
 WITH_TITAN02 := PYTHONPATH=$(abspath $(TITAN02))
 
-.PHONY: setup mpi native demo test test-mpi test-package lint bench clean distclean FORCE
+.PHONY: setup mpi native demo test test-mpi fuzz test-package lint bench clean distclean FORCE
 
 ## setup: system packages, then in .venv PyTorch (CPU wheel, pinned, first so that pip never
 ## picks a CUDA build) and the package (editable, which builds the shim) with its test tools,
@@ -84,6 +91,14 @@ test-mpi: native mpi
 	$(WITH_TITAN02) $(MPIRUN) -x PYTHONPATH -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider \
 		--with-mpi tests/integrations/test_torchtitan_integration.py
 	$(MPIRUN) -n 4 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
+
+## fuzz: a long campaign of the differential test against DCP (tests/helpers/oracle.py):
+## FUZZ_SEEDS seeds through every save path, on 1, 2 and 4 ranks; a failure names its seed
+fuzz: native mpi
+	DCP_ORACLE_SEEDS=$(FUZZ_SEEDS) timeout $(FUZZ_TIMEOUT) $(FUZZ_PYTEST) tests/jobs/test_dcp_oracle.py
+	for n in 2 4; do DCP_ORACLE_SEEDS=$(FUZZ_SEEDS) $(MPI_ENV) timeout $(FUZZ_TIMEOUT) \
+		mpirun --oversubscribe -x DCP_ORACLE_SEEDS -n $$n $(FUZZ_PYTEST) --with-mpi \
+		tests/mpi/test_dcp_oracle_mpi.py || exit 1; done
 
 ## test-package: build the sdist and wheel, install them (and `pip install .`) into fresh venvs
 ## and save and load through io_uring with each (CI runs it after `make test`)
