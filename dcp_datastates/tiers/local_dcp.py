@@ -15,19 +15,26 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import pickle
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
+from ..errors import CheckpointError
 from ..reader import DataStatesReader
 from ..writer import DataStatesWriter
 from .plans import ReusingPlanner
@@ -55,11 +62,13 @@ def save(state: dict, writer: DataStatesWriter, planner: ReusingPlanner | None =
 def load(state: dict, directory: Path, reader: DataStatesReader) -> None:
     """Load the checkpoint in ``directory`` into ``state`` in place, as
     ``dcp.load(..., no_dist=True)`` does: ``Stateful`` values load their state dicts, others
-    are replaced."""
+    are replaced. A checkpoint that is one rank's part (``reader.rank_part``) must hold every
+    element of this rank's tensors (:class:`_CoveringPlanner`)."""
     with _storage_errors():  # a checksum mismatch, a short file
         reader.reset(str(directory))
         loaded = plain(state)
-        _load_state_dict(state_dict=loaded, storage_reader=reader, no_dist=True)
+        _load_state_dict(state_dict=loaded, storage_reader=reader, no_dist=True,
+                         planner=_CoveringPlanner(directory) if reader.rank_part else None)
     for key, value in state.items():
         if isinstance(value, Stateful):
             value.load_state_dict(loaded[key])
@@ -80,6 +89,35 @@ def load_whole(directory: Path, reader: DataStatesReader) -> tuple[dict, dict[st
         _load_state_dict(state_dict=state, storage_reader=reader, no_dist=True,
                          planner=planner)
     return state, planner.refused
+
+
+class _CoveringPlanner(DefaultLoadPlanner):
+    """DCP's load planner, refusing a plan that leaves an element of a tensor unread. One
+    rank's part of a checkpoint (a memory-tier step) holds the chunks that rank saved: a state
+    sharded otherwise (another layout, another number of ranks) needs chunks of other ranks,
+    which DCP's planner would leave as they are, silently. (Its local plan is DCP's own, so
+    :func:`~..mismatch.planner_of` still tells of a state dict of another model.)"""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        plan = super().finish_plan(new_plan)
+        read: Counter[str] = Counter()
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                read[item.dest_index.fqn] += math.prod(item.lengths)
+        for fqn, value in self.state_dict.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            needed = (value.to_local() if isinstance(value, DTensor) else value).numel()
+            if read[fqn] != needed:
+                raise CheckpointError(
+                    f"{self.directory}: item {fqn!r}: this rank's part of the checkpoint holds "
+                    f"{read[fqn]} of the {needed} elements this rank's state needs (saved "
+                    f"sharded otherwise: another layout or number of ranks)")
+        return plan
 
 
 class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):

@@ -39,15 +39,10 @@ pytestmark = [*MARKS, pytest.mark.filterwarnings("ignore:torch.distributed is di
 SEEDS = seeds()
 #: ``bits``: conjugate and negative views (apart, so that a path failing them fails alone).
 PARTS = ("main", "bits")
-ITEM_5 = pytest.mark.xfail(strict=True, reason=(
-    "issue 48 item 5: synchronous dcp.save of a conjugate or negative view loads the values "
-    "without the bit (fixed on branch views)"))
 
 
 def _cases() -> list:
-    return [pytest.param(path, part, id=f"{path}-{part}",
-                         marks=[ITEM_5] if (path, part) == ("save", "bits") else [])
-            for path in SAVE_PATHS for part in PARTS]
+    return [pytest.param(path, part, id=f"{path}-{part}") for path in SAVE_PATHS for part in PARTS]
 
 
 @pytest.fixture(scope="module")

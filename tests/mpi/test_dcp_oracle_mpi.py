@@ -48,16 +48,6 @@ pytestmark = [
 
 SEEDS = seeds(default=(0, 1))
 PARTS = ("main", "bits")
-ITEM_5 = pytest.mark.xfail(strict=True, reason=(
-    "issue 48 item 5: synchronous dcp.save of a conjugate or negative view loads the values "
-    "without the bit (fixed on branch views)"))
-ITEM_1 = pytest.mark.xfail(strict=True, reason=(
-    "issue 48 item 1: a manager restarted on another number of ranks loads part of the "
-    "model from its memory tier (fixed on branch tiers)"))
-LAYOUT = pytest.mark.xfail(strict=True, reason=(
-    "found by the oracle (issue 48, not fixed yet): a manager restarted on the same ranks "
-    "into another layout loads each rank's memory tier, which lacks the other ranks' chunks: "
-    "their bytes are left as they were, silently, with the durable tier holding them all"))
 
 world = mpi_util.world
 shared = mpi_util.shared
@@ -65,9 +55,7 @@ nodes = mpi_util.nodes
 
 
 def _cases() -> list:
-    return [pytest.param(path, part, id=f"{path}-{part}",
-                         marks=[ITEM_5] if (path, part) == ("save", "bits") else [])
-            for path in SAVE_PATHS for part in PARTS]
+    return [pytest.param(path, part, id=f"{path}-{part}") for path in SAVE_PATHS for part in PARTS]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +136,7 @@ def test_loads_what_dcp_loads_saved_by_a_pair(world: World, shared: Path, engine
     agree(problems, report([], seed))
 
 
-@pytest.mark.parametrize("memory", [pytest.param("kept", marks=ITEM_1), "lost"])
+@pytest.mark.parametrize("memory", ["kept", "lost"])
 def test_manager_restarted_on_one_rank_loads_what_dcp_loads(
         world: World, shared: Path, nodes: Path, engine: Engine, meshes: Meshes,
         memory: str) -> None:
@@ -178,7 +166,7 @@ def test_manager_restarted_on_one_rank_loads_what_dcp_loads(
     agree(problems, report([], seed))
 
 
-@pytest.mark.parametrize("target", [pytest.param("replicate", marks=LAYOUT), "shard0"])
+@pytest.mark.parametrize("target", ["replicate", "shard0"])
 def test_manager_memory_tier_into_another_layout(world: World, shared: Path, nodes: Path,
                                                  engine: Engine, meshes: Meshes,
                                                  target: str) -> None:
