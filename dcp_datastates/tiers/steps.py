@@ -131,9 +131,14 @@ class TierRecord:
     pid: int = field(default_factory=os.getpid)
 
     def write(self, directory: Path) -> None:
+        """Write the record into ``directory``; an error names the file (a file system full
+        since the save checked its room fails here first)."""
         tmp = directory / f"{RECORD_NAME}.tmp"
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, directory / RECORD_NAME)
+        try:
+            tmp.write_text(json.dumps(asdict(self)))
+            os.replace(tmp, directory / RECORD_NAME)
+        except OSError as exc:
+            raise OSError(exc.errno, f"write failed: {exc.strerror}", str(tmp)) from exc
 
     @classmethod
     def read(cls, directory: Path, step: int | None = None) -> TierRecord:

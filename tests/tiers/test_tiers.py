@@ -8,6 +8,7 @@ path). Multi-rank cases (peer replicas, job-wide durable checkpoints) are in mpi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import (
     MARKS,
+    TESTS,
     Tiers,
     assert_state_equal,
     blank_like,
@@ -27,6 +29,7 @@ from helpers import (
     data_files,
     load_into,
     raises_in_dcp,
+    run_script,
 )
 from helpers.fakes import FaultyBackend
 from helpers.tiers import (
@@ -313,6 +316,44 @@ def test_a_full_memory_tier_gives_advice_that_fits_the_options(tiers: Tiers, eng
     else:
         assert "keep_memory=2 (now 3)" in message, message
     assert "Step(s) 1 in it are not persisted" in message, message
+
+
+_WRITES_FAIL = """
+import json, resource, signal, sys
+sys.path.insert(0, {tests!r})
+from helpers.tiers import make_state
+from dcp_datastates import CheckpointManager, Engine
+
+engine = Engine(io_backend="threads", host_cache_size="8MiB")
+manager = CheckpointManager({durable!r}, memory_dir={memory!r}, persist=None, engine=engine)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))  # a write fails: EFBIG
+try:
+    manager.save(1, make_state(1)).result(timeout=60)
+    error = "none"
+except OSError as exc:
+    error = str(exc)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+manager.save(2, make_state(2)).result(timeout=60)
+manager.close()
+engine.close()
+print(json.dumps(error))
+"""
+
+
+def test_a_save_the_tier_cannot_write_fails_naming_the_file(tiers: Tiers) -> None:
+    """A save whose first write into the memory tier fails (a file system full since the
+    save checked its room fails the same way; here a file size limit of 0 makes every write
+    fail): its error names the file it could not write, nothing of it stays in the tier, and
+    the next save, writes working again, is taken."""
+    done = run_script(_WRITES_FAIL.format(tests=str(TESTS), memory=str(tiers.memory),
+                                          durable=str(tiers.durable)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    error = json.loads(done.stdout.splitlines()[-1])
+    record = tiers.memory / "step_1" / ".tier.json.tmp"
+    assert error == f"[Errno 27] write failed: File too large: '{record}'", error
+    assert steps_in(tiers.memory) == [2] and dirs_in(tiers.memory) == ["step_2"]
+    assert_state_equal(load_into(make_state(2), tiers.memory / "step_2"), make_state(2))
 
 
 # -- retention -----------------------------------------------------------------------------------
