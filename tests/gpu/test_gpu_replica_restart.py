@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import descendants, gone
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,33 +42,6 @@ def root() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="dcp_gpu_replica_", dir="/dev/shm"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s processes: its children, theirs, and so on (torchrun starts each rank in a
-    session of its own: killing torchrun's process group leaves the ranks running)."""
-    parent = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        parent[int(stat.parent.name)] = int(fields[1])
-    found, todo = [], [pid]
-    while todo:
-        here = todo.pop()
-        kids = [p for p, pp in parent.items() if pp == here]
-        found += kids
-        todo += kids
-    return found
-
-
-def gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie no one reaps has: its locks are released)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def kill_when_ready(argv: list[str], log: Path) -> None:
