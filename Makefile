@@ -35,7 +35,7 @@ TITAN_TESTS := tests/integrations/test_torchtitan_integration.py \
                tests/integrations/test_torchtitan_trainer.py
 WITH_TITAN02 := PYTHONPATH=$(abspath $(TITAN02))
 
-.PHONY: setup mpi native demo test test-mpi fuzz test-package lint bench clean distclean FORCE
+.PHONY: setup mpi native demo test test-mpi fuzz test-package lint bench faults clean distclean FORCE
 
 ## setup: system packages, then in .venv PyTorch (CPU wheel, pinned, first so that pip never
 ## picks a CUDA build) and the package (editable, which builds the shim) with its test tools,
@@ -114,6 +114,13 @@ lint: setup
 ## bench: CPU benchmark against DCP's FileSystemWriter/Reader (writes benchmarks/out/)
 bench: native
 	$(PY) benchmarks/bench_cpu.py
+
+## faults: the fault campaign, 50 trials of each kind (saves, persists, exports and two-rank
+## replication killed with SIGKILL at random points; full memory and durable tiers on a small
+## tmpfs: root only); prints its table, fails on any failure (tens of minutes on 2 cores)
+FAULT_TRIALS ?= 50
+faults: native
+	timeout 7200 $(PY) benchmarks/fault_campaign.py --trials $(FAULT_TRIALS)
 
 clean:
 	rm -rf build dist dcp_datastates/_lib benchmarks/out .pytest_cache

@@ -81,6 +81,7 @@ from helpers import (  # noqa: E402
 )
 from helpers.tiers import make_state, steps_in  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from dcp_datastates import CheckpointManager, DataStatesWriter, Engine, cli  # noqa: E402
 from dcp_datastates.errors import TierFullError  # noqa: E402
@@ -507,7 +508,7 @@ class Campaign:
             try:
                 assert_state_equal(load_into(state, directory, engine=self.engine), state)
                 return
-            except Exception as exc:  # noqa: BLE001 - reported below
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported below
                 errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
         raise TrialFailed(f"{what} {directory} has a .metadata but does not load as saved: "
                           f"{errors}")
@@ -823,7 +824,7 @@ def _save_or_fail(manager: CheckpointManager, step: int, state: dict, mnt: Path)
             raise TrialFailed(f"not an ENOSPC naming {mnt}: {exc!r}, from {_origin(exc)}"
                               ) from None
         return "ENOSPC"
-    except Exception as exc:  # noqa: BLE001 - DCP's wrapper; reported
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported
         raise TrialFailed(f"step {step} failed unclearly: {type(exc).__name__}: "
                           f"{str(exc)[:500]}") from None
 
@@ -850,7 +851,7 @@ def run_kind(campaign: Campaign, kind: str, trials: list[int], seed: int, row: R
             row.failures.append(f"trial {trial}: {str(exc)[:400]}")
             print(f"{kind} {trial}: FAILED: {exc} (files kept in {d})", file=sys.stderr)
             continue
-        except Exception:  # noqa: BLE001 - a check that crashed is a failure too
+        except (Exception, CheckpointException):  # noqa: BLE001 - a failure too
             row.failures.append(f"trial {trial}: {traceback.format_exc(limit=1)[-400:]}")
             print(f"{kind} {trial}: FAILED (files kept in {d})\n{traceback.format_exc()}",
                   file=sys.stderr)
