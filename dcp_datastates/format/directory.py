@@ -210,14 +210,22 @@ def write_new(tmp: Path, dest: Path, parts: Iterable[bytes | memoryview],
 
 def write_new_with(tmp: Path, dest: Path, fill: Callable[[BinaryIO], object],
                    fsync: Callable[[int], None] = os.fsync) -> None:
-    """:func:`write_new`, the file's bytes written by ``fill`` (given the open file)."""
+    """:func:`write_new`, the file's bytes written by ``fill`` (given the open file). A write
+    that fails (a full file system) raises an ``OSError`` naming ``tmp``."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    op = "write"
     try:
         with open(fd, "wb") as f:
             fill(f)
             f.flush()
+            op = "fsync"
             fsync(f.fileno())
         os.replace(tmp, dest)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, f"{op} failed: {exc.strerror}", str(tmp)) from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import sys
 import textwrap
 import time
@@ -239,6 +240,39 @@ def test_enospc_on_a_full_file_system(
     expected_small = clone_state(small)
     save(small, tiny_tmpfs / "small", writer)
     assert_state_equal(load_into(expected_small, tiny_tmpfs / "small"), expected_small)
+
+
+def test_enospc_at_the_commit_names_the_metadata_file(tmp_path: Path, make_writer) -> None:
+    """A file system with room for the data file but not for ``.metadata``: the save fails
+    with an ENOSPC naming the file it could not write, and leaves neither file; the
+    checkpoint already there loads as it was, and with room again the next save commits."""
+    state, old = _state(seed=11, nbytes=MiB), _state(seed=12, nbytes=4096)
+    expected, expected_old = clone_state(state), clone_state(old)
+    writer = make_writer(host_cache_size="8MiB")
+    save(state, tmp_path / "new", writer)
+    save(old, tmp_path / "old", writer)
+    # KiB: the old checkpoint's pages and the new data file's, not one more
+    room = sum(-(-p.stat().st_size // 4096) * 4 for p in [
+        *data_files(tmp_path / "new"), *(tmp_path / "old").iterdir()])
+    with mounted_tmpfs(f"{room}k", "dcp_enospc_commit_") as mnt:
+        directory = mnt / "ckpt"
+        save(old, directory, writer)
+        with pytest.raises((OSError, CheckpointException)) as info:
+            save(state, directory, make_writer(host_cache_size="8MiB", overwrite=True))
+        err = info.value
+        if isinstance(err, CheckpointException):
+            (err,) = [exc for exc, _ in err.failures.values()]
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC, repr(err)
+        assert re.fullmatch(rf"\[Errno 28\] write failed: No space left on device: "
+                            rf"'{re.escape(str(directory))}/\.metadata\.tmp\.[0-9a-f]+'",
+                            str(err)), str(err)
+        err = info = None
+        assert sorted(p.name for p in directory.iterdir() if p.name != LOCK_NAME) == sorted(
+            [".metadata", *(p.name for p in data_files(directory))])
+        assert_state_equal(load_into(expected_old, directory), expected_old)
+        shutil.rmtree(directory)
+        save(state, directory, writer)
+        assert_state_equal(load_into(expected, directory), expected)
 
 
 # -- injected write errors -----------------------------------------------------------------------
