@@ -17,7 +17,10 @@ on a CPU mesh) saved whole into ``<root>/ckpt<t>`` (copied to ``<root>/ckpt<t>.b
 saved again over it
 (``overwrite=True``) staged by DCP's ``DefaultStager`` (:class:`GatedStager`), the group
 destroyed meanwhile: before the staged state is handed out (even trials) or a moment after
-(odd ones). Prints ``rank <r> trial <t>: saved`` or ``... failed: <error>``.
+(odd ones); in the :data:`HELD` trials, while DCP's save writes the data files: rank ``t - 6``
+(of trial ``t``) destroys it once its data file write has begun (held by its engine's backend
+until then), the other once its own data file is written. Prints ``rank <r> trial <t>: saved``
+or ``... failed: <error>``.
 
 ``regroup``: the same save over a complete checkpoint in ``<root>/ckpt-<stager>``, staged by
 the writer itself and then by a ``DefaultStager``; each time the group is destroyed and a new
@@ -40,15 +43,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers.fakes import HeldSettles
+from helpers.fakes import FaultyBackend, HeldSettles
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dcp_datastates import CheckpointManager, DataStatesWriter, Engine
+from dcp_datastates.io import ThreadPoolBackend
 
 #: trials of ``stager`` mode
-TRIALS = 6
+TRIALS = 8
+#: trials of ``stager`` mode whose group is destroyed while DCP's save writes the data files
+HELD = (6, 7)
 #: elements of each rank's shard of the DTensor
 SHARD = 1 << 16
 #: how long a rank waits for a save (a save that hangs fails the job)
@@ -139,6 +145,9 @@ def stager(root: Path, rank: int) -> None:
         join(root, f"trial{trial}", rank)
         ckpt = root / f"ckpt{trial}"
         save_whole(ckpt, rank)
+        if trial in HELD:
+            print(f"rank {rank} trial {trial}: {held_write(ckpt, rank, trial - 6)}", flush=True)
+            continue
         gate = threading.Event()
         response = dcp.async_save(dtensor_state(2, rank), checkpoint_id=ckpt,
                                   storage_writer=DataStatesWriter(overwrite=True),
@@ -151,6 +160,25 @@ def stager(root: Path, rank: int) -> None:
             time.sleep(0.002 * trial)
             dist.destroy_process_group()
         print(f"rank {rank} trial {trial}: {outcome(response)}", flush=True)
+
+
+def held_write(ckpt: Path, rank: int, holder: int) -> str:
+    """The save over ``ckpt``, its group destroyed while DCP's save writes the data files: on
+    rank ``holder`` once its write has begun (held until then), on the other once its data
+    file is written (fsynced). Its outcome."""
+    written = threading.Event()
+    backend = FaultyBackend(ThreadPoolBackend(), gated=rank == holder,
+                            on_fsync=lambda path: written.set())
+    with Engine(io_backend=backend) as engine:
+        gate = threading.Event()
+        response = dcp.async_save(dtensor_state(2, rank), checkpoint_id=ckpt,
+                                  storage_writer=DataStatesWriter(engine=engine, overwrite=True),
+                                  async_stager=GatedStager(gate))
+        gate.set()
+        (backend.write_started if rank == holder else written).wait(WAIT_S)
+        dist.destroy_process_group()
+        backend.gate.set()
+        return outcome(response)
 
 
 def regroup(root: Path, rank: int) -> None:

@@ -12,16 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import MARKS, assert_state_equal, load_into
 
+from dcp_datastates import DataStatesWriter
+from dcp_datastates.format.directory import DATA_FILE_RE
 from dcp_datastates.format.metadata_file import read_metadata
+from dcp_datastates.jobs.commit import data_files
 from dcp_datastates.tiers.steps import committed_steps
 
 pytestmark = MARKS
 
 JOB = Path(__file__).with_name("teardown_job.py")
 #: as in ``teardown_job.py``
-SHARD, TRIALS = 1 << 16, 6
+SHARD, TRIALS, HELD = 1 << 16, 8, (6, 7)
 ABANDONED = "abandoned: the process group was destroyed while the save was in flight"
 
 
@@ -55,12 +59,25 @@ def whole(version: int) -> dict:
             "step": torch.tensor(version)}
 
 
+def left_over(ckpt: Path) -> dict[str, bytes]:
+    """The files of ``ckpt`` that the checkpoint saved there before (``<ckpt>.before``) lacks."""
+    before = files_of(ckpt.with_suffix(".before"))
+    return {name: data for name, data in files_of(ckpt).items() if name not in before}
+
+
 def check_whole_or_intact(ckpt: Path, lines: list[str]) -> bool:
-    """Assert ``ckpt`` holds the whole new save (both ranks saved) or, bit for bit, the
-    checkpoint saved there before (both ranks' saves failed); return whether it is intact."""
-    before = ckpt.with_suffix(".before")
-    intact = files_of(ckpt) == files_of(before)
-    for version, where in ((1, before), (1 if intact else 2, ckpt)):
+    """Assert ``ckpt`` holds the whole new save (both ranks saved) or the checkpoint saved there
+    before, its files bit for bit (both ranks' saves failed); return whether it is intact. Next
+    to an intact one may lie data files of the failed save, which no ``.metadata`` names (a rank
+    cannot tell whether its coordinator committed once the group is gone, so it leaves its file;
+    the next commit deletes them)."""
+    before, now = files_of(ckpt.with_suffix(".before")), files_of(ckpt)
+    intact = all(now.get(name) == data for name, data in before.items())
+    if intact:
+        named = data_files(read_metadata(ckpt))
+        assert all(DATA_FILE_RE.match(name) and name not in named for name in left_over(ckpt)), \
+            (ckpt, sorted(left_over(ckpt)))
+    for version, where in ((1, ckpt.with_suffix(".before")), (1 if intact else 2, ckpt)):
         template = {"w": torch.full((2 * SHARD,), float("nan")), "step": torch.tensor(-1)}
         assert_state_equal(load_into(template, where), whole(version), str(where))
     want = "failed: " if intact else "saved"
@@ -82,8 +99,9 @@ def test_destroyed_group_never_commits_part_of_the_ranks(tmp_path: Path, run: in
 def test_a_save_staged_by_another_stager_never_commits_part_of_the_ranks(
         tmp_path: Path) -> None:
     """``dcp.async_save(async_stager=DefaultStager(...))`` with a ``DataStatesWriter``, the group
-    destroyed before the staged state reaches DCP's save or just after: in every trial the
-    checkpoint there before is intact bit for bit (and loads), or replaced whole."""
+    destroyed before the staged state reaches DCP's save, just after, or (``HELD``) while DCP's
+    save writes each rank's data file: in every trial the checkpoint there before is intact bit
+    for bit (and loads), or replaced whole; the files a failed save left go at the next commit."""
     codes, out, err = run_job(tmp_path, "stager")
     assert codes == [0, 0], err[-3000:]
     intact = []
@@ -91,9 +109,16 @@ def test_a_save_staged_by_another_stager_never_commits_part_of_the_ranks(
         lines = re.findall(rf"^rank \d trial {trial}: .*$", out, re.M)
         assert len(lines) == 2, out
         intact.append(check_whole_or_intact(tmp_path / f"ckpt{trial}", lines))
+        if trial in HELD:  # destroyed while DCP's save wrote the data files: each rank's
+            assert sorted(n[:3] for n in left_over(tmp_path / f"ckpt{trial}")) == ["__0", "__1"]
+            continue
         if trial % 2 == 0:  # destroyed before DCP's save began: refused, on both ranks
             assert all(ABANDONED in line for line in lines), lines
-    assert intact[::2] == [True] * (TRIALS // 2)
+    assert [intact[t] for t in (0, 2, 4, *HELD)] == [True] * 5
+    ckpt = tmp_path / f"ckpt{HELD[0]}"  # the next commit there deletes the failed save's files
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=ckpt, no_dist=True,
+             storage_writer=DataStatesWriter(overwrite=True))
+    assert not set(left_over(ckpt)) - data_files(read_metadata(ckpt)), sorted(left_over(ckpt))
 
 
 def test_a_save_never_moves_onto_a_group_made_after_its_own(tmp_path: Path) -> None:
