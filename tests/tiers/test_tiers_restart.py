@@ -195,3 +195,16 @@ def test_the_directories_a_manager_makes_are_private_whatever_the_umask(
             *tiers.memory.glob(".slots.*")]
     assert len(made) >= 4, made
     assert {p: oct(stat.S_IMODE(p.stat().st_mode)) for p in made} == {p: "0o700" for p in made}
+
+
+def test_a_persist_none_run_restarts_without_the_new_durable_tier_warning(
+        run1: Path, engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A ``persist=None`` run never makes ``durable_dir``: its restart resumes from its memory
+    tier without warning that the durable tier is new (it would on every restart)."""
+    with CheckpointManager(run1, persist=None, engine=engine) as first:
+        first.save(7, make_state(7)).result(timeout=60)
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates"):
+        with CheckpointManager(run1, persist=None, engine=engine) as again:
+            assert again.load(blank_like(make_state(7))) == 7
+    assert not run1.exists()
+    assert "is new" not in caplog.text, caplog.text
