@@ -65,6 +65,8 @@ class TierClaim(DirectoryClaim):
         pid, holder = _holder(self.path)
         todo = ("close that manager first, or give this one other directories"
                 if holder == MANAGER else "let it end first, or use other directories")
+        if holder == MANAGER and self.what == "memory tier":  # a peer rank's, often
+            todo += " (each rank of a job needs a memory_dir of its own, e.g. one per rank)"
         return CheckpointError(
             f"{self.what} {directory} is in use by {holder or 'another process'} (pid "
             f"{pid if pid is not None else 'unknown'}, holding {self.path}): {todo}")
