@@ -21,7 +21,7 @@ import pytest
 from helpers import MARKS, ROOT, Tiers, assert_state_equal, blank_like
 from helpers.tiers import make_state, steps_in
 
-from dcp_datastates import CheckpointManager, Engine, WorldSizeChangedError
+from dcp_datastates import CheckpointManager, Engine, WorldSizeChangedError, cli
 from dcp_datastates.tiers.manager import _default_memory_dir
 from dcp_datastates.tiers.steps import TierRecord
 
@@ -76,11 +76,16 @@ def job(ranks: int, mode: str, tiers: Tiers) -> tuple[str, str]:
     return outs[0][0], errors
 
 
-def test_a_restart_on_another_number_of_ranks_loads_the_durable_tier(tiers: Tiers) -> None:
+def test_a_restart_on_another_number_of_ranks_loads_the_durable_tier(
+        tiers: Tiers, capsys: pytest.CaptureFixture[str]) -> None:
     """Two ranks save step 20 (persisted) and step 30 (memory only). A restart on one rank and
     on four loads step 20 from the durable tier, resharded, bit for bit, and warns why the
-    memory tier was not used; steps 20 and 30 stay in the memory tiers."""
+    memory tier was not used; steps 20 and 30 stay in the memory tiers. ``verify`` passes a
+    memory-tier step (one rank's shards: not every element), saying it is one rank's part."""
     job(2, "save", tiers)
+    step = tiers.memory / "rank_0" / "step_30"
+    assert cli.main(["verify", "-q", str(step)]) == 0, capsys.readouterr().err
+    assert "one rank's part" in capsys.readouterr().out
     for ranks in (1, 4):
         out, err = job(ranks, "load", tiers)
         assert out == "LOADED 20 True\n", (ranks, out, err[-4000:])
