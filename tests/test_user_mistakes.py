@@ -25,7 +25,14 @@ from helpers import (
 )
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dcp_datastates import CheckpointManager, DataStatesReader, DataStatesWriter, Engine, cli
+from dcp_datastates import (
+    CheckpointError,
+    CheckpointManager,
+    DataStatesReader,
+    DataStatesWriter,
+    Engine,
+    cli,
+)
 from dcp_datastates.format.directory import DirectoryClaim
 from dcp_datastates.tiers.manager import _default_memory_dir
 from dcp_datastates.tiers.steps import RECORD_NAME, TierRecord, committed_steps, steps
@@ -275,3 +282,14 @@ def test_one_directory_for_both_tiers_is_said_to_be_one(tmp_path: Path) -> None:
     for memory in (tmp_path / "ckpt", tmp_path / "link"):
         with pytest.raises(ValueError, match=r"memory_dir .* is durable_dir"):
             CheckpointManager(tmp_path / "ckpt", memory_dir=memory)
+
+
+def test_one_memory_dir_for_every_rank_is_said_to_need_one_each(tiers: Tiers) -> None:
+    """The same ``memory_dir`` for every rank of a node (as two ranks would give it): the
+    second manager is refused, and told that each rank needs a memory_dir of its own."""
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None):
+        with pytest.raises(CheckpointError) as info:
+            CheckpointManager(tiers.durable / "other", memory_dir=tiers.memory, persist=None)
+    said = str(info.value)
+    assert f"memory tier {tiers.memory} is in use by another CheckpointManager" in said, said
+    assert "each rank of a job needs a memory_dir of its own" in said, said

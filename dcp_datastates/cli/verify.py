@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from ..format.data_file import ItemSpec
 from ..format.entries import tiling_problems
 from ..sizes import format_size
+from ..tiers.steps import RECORD_NAME
 from .arguments import add_command, add_quiet, cli_path, command_engine
 from .checkpoint import Chunk, load_checkpoint
 from .headers import check_file
@@ -159,7 +160,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             by_file[c.loc.file].append(c)
     total = sum(c.loc.length for cs in by_file.values() for c in cs)
     progress = Progress(total, "verifying", not args.quiet)
-    problems = tiling_problems(path, md, sorted(md.state_dict_metadata))
+    part = (path / RECORD_NAME).is_file()  # a memory-tier step: one rank's shards only
+    problems = tiling_problems(path, md, sorted(md.state_dict_metadata), whole=not part)
     try:
         with command_engine(args) as engine:
             check = ChunkCheck(engine, path, md, progress)
@@ -178,7 +180,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             print(f"  {p}", file=sys.stderr)
         return 1
     print(f"OK: {path}: {nchunks} stored chunks, {total} bytes ({format_size(total)}) in "
-          f"{len(by_file)} files match their headers and checksums")
+          f"{len(by_file)} files match their headers and checksums" + (
+              " (one rank's part of a checkpoint: a memory-tier step, whose sharded tensors "
+              "hold that rank's chunks only)" if part else ""))
     return 0
 
 

@@ -95,7 +95,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.utils.hooks import RemovableHandle
 
 from ..engine import Engine, default_engine
-from ..errors import TierFullError
+from ..errors import TierFullError, WorldSizeChangedError
 from ..format.directory import DATA_FILE_RE
 from ..guard import guard
 from ..reader import DataStatesReader
@@ -683,7 +683,12 @@ if TORCHTITAN.manager is not None:
             if tiers is None:
                 return stock(self, step)
             if step == -1:
-                newest = tiers.latest_step()  # every rank, memory or folder
+                try:
+                    newest = tiers.latest_step()  # every rank, memory or folder
+                except WorldSizeChangedError:  # memory steps of another number of ranks only
+                    if self._find_load_step() < 0:  # nor any torchtitan's own load would take
+                        raise
+                    newest = None
                 # torchtitan's own pick also counts HF exports (no .metadata) in the folder
                 if newest is None or self._find_load_step() > newest:
                     return stock(self, step)

@@ -65,6 +65,8 @@ class TierClaim(DirectoryClaim):
         pid, holder = _holder(self.path)
         todo = ("close that manager first, or give this one other directories"
                 if holder == MANAGER else "let it end first, or use other directories")
+        if holder == MANAGER and self.what == "memory tier":  # a peer rank's, often
+            todo += " (each rank of a job needs a memory_dir of its own, e.g. one per rank)"
         return CheckpointError(
             f"{self.what} {directory} is in use by {holder or 'another process'} (pid "
             f"{pid if pid is not None else 'unknown'}, holding {self.path}): {todo}")
@@ -180,7 +182,8 @@ class TierClaims:
     rank raises that rank's error. ``persists``: the manager writes the durable tier (else it
     may be read-only, and is then not claimed). ``durable_new``: no manager had claimed the
     durable tier before (its lock file, which stays, was missing on rank 0): a tier made anew,
-    or removed and made again."""
+    or removed and made again; never where the manager does not persist and the tier does not
+    exist (a ``persist=None`` run never makes it)."""
 
     def __init__(self, memory: Path, durable: Path | None, ranks: Ranks, *,
                  persists: bool) -> None:
@@ -188,8 +191,9 @@ class TierClaims:
         self._tiers: list[TierDirectory] = []
         self._ranks = ranks
         error: Exception | None = None
-        self.durable_new = durable is not None and ranks.rank == 0 and not (
-            durable / LOCK_NAME).exists()  # rank 0's, the rank that claims it: gathered below
+        self.durable_new = durable is not None and ranks.rank == 0 and (
+            persists or durable.exists()) and not (durable / LOCK_NAME).exists()
+        # rank 0's, the rank that claims it: gathered below
         try:
             self._tiers.append(_ready_tier(memory, "memory tier", MEMORY_MODE,
                                            required=True)[0])

@@ -436,11 +436,18 @@ class CheckpointManager:
     # -- restore --------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
         """The newest step committed and complete on every rank, in any tier (None: none).
-        A step whose persist found it damaged is dropped from the memory tier: never this."""
+        A step whose persist found it damaged is dropped from the memory tier: never this.
+        Where none is but memory tiers hold steps another number of ranks saved, raises
+        :class:`WorldSizeChangedError` as :meth:`load` does (None would start the run over,
+        and retention delete those steps)."""
         self._check_open("no steps to tell")
         self._drain()
         self._claims.verify_together()
-        return pick(self._restorer.views(), None)
+        views = self._restorer.views()
+        step = pick(views, None)
+        if step is None:
+            self._restorer.check_world(views, "a checkpoint")
+        return step
 
     def load(self, state: dict, step: int | None = None) -> int:
         """Load ``step`` (default: the latest) into ``state`` from the fastest tier holding it:

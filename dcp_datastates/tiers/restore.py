@@ -155,7 +155,7 @@ class Restorer:
             first.add_note(f"no step loads: {'; '.join(failures)}")
             raise first
         where = f"step {step}" if step is not None else "a checkpoint"
-        self._check_world(views, where)
+        self.check_world(views, where)
         aside = "; ".join(f"step {s}: {why}" for s, (_, why) in sorted(
             views[self.ranks.rank]["aside"].items()))
         raise FileNotFoundError(
@@ -193,7 +193,7 @@ class Restorer:
             "and holds no checkpoint. To start over instead, %s, and start again", step,
             self.memory, self.durable, self.start_over)
 
-    def _check_world(self, views: list[dict], where: str) -> None:
+    def check_world(self, views: list[dict], where: str) -> None:
         """Raise WorldSizeChangedError where no tier holds ``where`` for this job but memory
         tiers hold steps that another number of ranks saved."""
         saved_by = sorted({n for v in views for n, _ in v["aside"].values() if n})
@@ -210,7 +210,8 @@ class Restorer:
             f"and {none}. Persist them first (`python -m "
             f"dcp_datastates persist <the memory tiers of every rank that saved them, e.g. "
             f"{self.memory.parent}> {durable}`): a durable checkpoint loads on any number of "
-            f"ranks. Or restart on {_listed(saved_by)} rank(s)")
+            f"ranks. Or restart on {_listed(saved_by)} rank(s); a new run goes into another "
+            f"durable_dir (or remove these memory tiers first)")
 
     def fetch(self, views: list[dict], step: int) -> bool:
         """Bring ``step`` back into the memory tiers that lack it from the peers' replicas

@@ -21,7 +21,7 @@ import pytest
 from helpers import MARKS, ROOT, Tiers, assert_state_equal, blank_like
 from helpers.tiers import make_state, steps_in
 
-from dcp_datastates import CheckpointManager, Engine, WorldSizeChangedError
+from dcp_datastates import CheckpointManager, Engine, WorldSizeChangedError, cli
 from dcp_datastates.tiers.manager import _default_memory_dir
 from dcp_datastates.tiers.steps import TierRecord
 
@@ -76,11 +76,16 @@ def job(ranks: int, mode: str, tiers: Tiers) -> tuple[str, str]:
     return outs[0][0], errors
 
 
-def test_a_restart_on_another_number_of_ranks_loads_the_durable_tier(tiers: Tiers) -> None:
+def test_a_restart_on_another_number_of_ranks_loads_the_durable_tier(
+        tiers: Tiers, capsys: pytest.CaptureFixture[str]) -> None:
     """Two ranks save step 20 (persisted) and step 30 (memory only). A restart on one rank and
     on four loads step 20 from the durable tier, resharded, bit for bit, and warns why the
-    memory tier was not used; steps 20 and 30 stay in the memory tiers."""
+    memory tier was not used; steps 20 and 30 stay in the memory tiers. ``verify`` passes a
+    memory-tier step (one rank's shards: not every element), saying it is one rank's part."""
     job(2, "save", tiers)
+    step = tiers.memory / "rank_0" / "step_30"
+    assert cli.main(["verify", "-q", str(step)]) == 0, capsys.readouterr().err
+    assert "one rank's part" in capsys.readouterr().out
     for ranks in (1, 4):
         out, err = job(ranks, "load", tiers)
         assert out == "LOADED 20 True\n", (ranks, out, err[-4000:])
@@ -94,17 +99,20 @@ def test_a_restart_on_fewer_ranks_refuses_a_step_only_memory_holds(
         tiers: Tiers, engine: Engine) -> None:
     """Steps 5 and 6 that two ranks left in memory only (never persisted): a restart on one
     rank refuses them (they hold one rank's shards), naming its memory tier, both world sizes
-    and how to go on; nothing is loaded."""
+    and how to go on; nothing is loaded. ``latest_step()`` raises the same error rather than
+    say None: the README's restart line would start over and retention delete them."""
     saved(tiers, engine, 5, 6)
     for step in (5, 6):
         as_if_saved_by(tiers.memory / f"step_{step}", 2)
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None,
                            engine=engine) as manager:
-        assert manager.latest_step() is None
+        with pytest.raises(WorldSizeChangedError) as latest:
+            manager.latest_step()
         blank = blank_like(make_state(6))
         with pytest.raises(WorldSizeChangedError) as info:
             manager.load(blank)
     said = str(info.value)
+    assert str(latest.value) == said
     assert (f"no tier holds a checkpoint that this job of 1 rank(s) can load: the memory tiers "
             f"(this rank's: {tiers.memory}) hold step(s) 5, 6 saved by 2 rank(s)") in said, said
     assert (f"python -m dcp_datastates persist <the memory tiers of every rank that saved "
@@ -192,3 +200,16 @@ def test_the_directories_a_manager_makes_are_private_whatever_the_umask(
             *tiers.memory.glob(".slots.*")]
     assert len(made) >= 4, made
     assert {p: oct(stat.S_IMODE(p.stat().st_mode)) for p in made} == {p: "0o700" for p in made}
+
+
+def test_a_persist_none_run_restarts_without_the_new_durable_tier_warning(
+        run1: Path, engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A ``persist=None`` run never makes ``durable_dir``: its restart resumes from its memory
+    tier without warning that the durable tier is new (it would on every restart)."""
+    with CheckpointManager(run1, persist=None, engine=engine) as first:
+        first.save(7, make_state(7)).result(timeout=60)
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates"):
+        with CheckpointManager(run1, persist=None, engine=engine) as again:
+            assert again.load(blank_like(make_state(7))) == 7
+    assert not run1.exists()
+    assert "is new" not in caplog.text, caplog.text
