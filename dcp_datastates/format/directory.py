@@ -25,6 +25,9 @@ from typing import BinaryIO
 
 from ..errors import CheckpointError
 
+#: The most a checkpoint's files and directories allow others, whatever the umask: read and
+#: search, never write (a file another user could replace holds pickles that run at load).
+FILE_MODE, DIR_MODE = 0o644, 0o755
 LOCK_NAME = ".dcp_datastates.lock"
 #: Data files: ``__<rank>_<token>.safetensors``.
 DATA_FILE_RE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
@@ -117,7 +120,7 @@ class DirectoryClaim:
 
     def __init__(self, directory: Path, lock: Path | None = None) -> None:
         self.path = lock if lock is not None else directory / LOCK_NAME
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -212,7 +215,8 @@ def write_new_with(tmp: Path, dest: Path, fill: Callable[[BinaryIO], object],
                    fsync: Callable[[int], None] = os.fsync) -> None:
     """:func:`write_new`, the file's bytes written by ``fill`` (given the open file). A write
     that fails (a full file system) raises an ``OSError`` naming ``tmp``."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 FILE_MODE)
     op = "write"
     try:
         with open(fd, "wb") as f:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..format.align import ALIGN, round_up
-from ..format.directory import memory_backed
+from ..format.directory import FILE_MODE, memory_backed
 from ..memory.host_cache import Lease, Pool
 from .base import IOBackend, IOReq
 
@@ -77,11 +77,11 @@ def _open_for_write(path: Path, direct: bool | None, create: bool = True) -> tup
         direct = False
     if direct is not False:
         try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
+            return os.open(path, flags | os.O_DIRECT, FILE_MODE), True
         except OSError as exc:
             if exc.errno != errno.EINVAL or direct:
                 raise
-    return os.open(path, flags, 0o644), False
+    return os.open(path, flags, FILE_MODE), False
 
 
 class DataFile:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from ..errors import CheckpointCorruptError
 from ..format.checksums import memory_at, verify_span
 from ..format.data_file import entry_mismatch, layout_mismatch, read_file_header
-from ..format.directory import fsync_dir, new_token, open_regular
+from ..format.directory import DIR_MODE, fsync_dir, new_token, open_regular
 from ..format.entries import stored_spec
 from ..format.metadata_file import ItemLocation, read_metadata
 from ..io.file_writer import DataFile, Piece
@@ -60,7 +60,7 @@ def copy_checkpoint(engine: Engine, source: Path, target: Path, *,
     items: dict[str, list[Item]] = defaultdict(list)
     for index, loc in metadata.storage_data.items():
         items[loc.file].append((index, loc))
-    target.mkdir(parents=True, exist_ok=True)
+    target.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
     if part is not None and part.exists():  # void first (durably): a part left committed
         shutil.rmtree(part, ignore_errors=True)  # must not name the files replaced here
         fsync_dir(target)
@@ -69,7 +69,7 @@ def copy_checkpoint(engine: Engine, source: Path, target: Path, *,
         _check_header(source / name, metadata, items[name], what)
         _copy_file(engine, source / name, target / name, items[name], what)
     if part is not None:
-        part.mkdir()
+        part.mkdir(mode=DIR_MODE)
     commit(part or target, metadata, new_token(), data_dir=target if part else None)
     return metadata
 

@@ -30,7 +30,7 @@ from ..cuda.cuda_copy import CudaCopier, IssuedCopies
 from ..engine import POLL_S, Engine
 from ..errors import CheckpointError
 from ..format.data_file import Placement
-from ..format.directory import DirectoryClaim, new_token
+from ..format.directory import DIR_MODE, DirectoryClaim, new_token
 from ..format.metadata_file import METADATA_NAME
 from ..memory.arenas import Memory
 from ..memory.aside import stash
@@ -330,7 +330,7 @@ class SaveJob:
     def prepare(self, overwrite: bool) -> None:
         """Create the directory; the coordinator claims it and checks for a checkpoint."""
         directory = self.checkpoint_directory()
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         if not self.is_coordinator:
             return
         self._claim = DirectoryClaim(directory)

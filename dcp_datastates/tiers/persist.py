@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointCorruptError, CheckpointError, DamagedStepError
-from ..format.directory import DirectoryClaim, new_token
+from ..format.directory import DIR_MODE, DirectoryClaim, new_token
 from ..format.metadata_file import read_metadata
 from ..jobs.commit import commit
 from ..jobs.copy import copy_checkpoint
@@ -46,7 +46,7 @@ def persist_part(engine: Engine, source: Path, target: Path, rank: int, world_si
     :class:`DamagedStepError` (naming the file and the item) where ``source`` is damaged."""
     try:
         check_complete(source)
-        target.mkdir(parents=True, exist_ok=True)
+        target.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         if committed(target):
             return True
         copy_checkpoint(engine, source, target, part=target / f"{PART_PREFIX}{rank}")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..format.directory import new_token
+from ..format.directory import DIR_MODE, new_token
 from . import replica
 from .ranks import Ranks
 from .slots import SlotPool
@@ -201,11 +201,11 @@ class Retention:
 
 def _new_aside(root: Path) -> Path:
     """A new directory ``root/<time>`` (``<time>-<token>`` where that one exists)."""
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
     name = time.strftime("%Y%m%dT%H%M%S")
     while True:
         try:
-            (root / name).mkdir()
+            (root / name).mkdir(mode=DIR_MODE)
             return root / name
         except FileExistsError:
             name = f"{time.strftime('%Y%m%dT%H%M%S')}-{new_token()[:6]}"

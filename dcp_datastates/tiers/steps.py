@@ -26,7 +26,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointCorruptError, CheckpointError, brief
-from ..format.directory import DirectoryClaim, new_token, remove_unreferenced
+from ..format.directory import DIR_MODE, DirectoryClaim, new_token, remove_unreferenced
 from ..format.entries import check_locations
 from ..format.metadata_file import METADATA_NAME, read_metadata
 from ..jobs.commit import data_files
@@ -78,7 +78,7 @@ def name_steps(root: Path, prefix: str) -> None:
     holds step directories named otherwise."""
     if prefix not in PREFIXES:
         raise ValueError(f"step naming must be one of {sorted(PREFIXES)}, got {prefix!r}")
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
     have = _step_prefix(root)
     if have == prefix:
         return

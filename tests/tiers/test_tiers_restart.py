@@ -18,10 +18,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 from helpers import MARKS, ROOT, Tiers, assert_state_equal, blank_like
 from helpers.tiers import make_state, steps_in
 
-from dcp_datastates import CheckpointManager, Engine, WorldSizeChangedError, cli
+from dcp_datastates import (
+    CheckpointManager,
+    DataStatesWriter,
+    Engine,
+    WorldSizeChangedError,
+    cli,
+)
 from dcp_datastates.tiers.manager import _default_memory_dir
 from dcp_datastates.tiers.steps import TierRecord
 
@@ -200,6 +207,27 @@ def test_the_directories_a_manager_makes_are_private_whatever_the_umask(
             *tiers.memory.glob(".slots.*")]
     assert len(made) >= 4, made
     assert {p: oct(stat.S_IMODE(p.stat().st_mode)) for p in made} == {p: "0o700" for p in made}
+
+
+def test_no_checkpoint_file_is_writable_by_others_whatever_the_umask(
+        tiers: Tiers, engine: Engine) -> None:
+    """Under umask 000, a plain ``dcp.save`` through ``DataStatesWriter`` and a manager's
+    persisted and set-aside steps make no file or directory that group or others may write
+    (one they could replace holds pickles that run at load)."""
+    old = os.umask(0)
+    try:
+        plain = tiers.durable.parent / "plain"
+        dcp.save(make_state(1), checkpoint_id=plain, storage_writer=DataStatesWriter(
+            engine=engine))
+        saved(tiers, engine, 5, persist=1)
+        saved(tiers, engine, 5, persist=1)  # saved again: the replaced copy is set aside
+    finally:
+        os.umask(old)
+    made = [p for root in (plain, tiers.durable) for p in (root, *root.rglob("*"))]
+    assert len(made) >= 8 and any(p.name == ".metadata" for p in made), made
+    writable = {p: oct(stat.S_IMODE(p.lstat().st_mode)) for p in made
+                if p.lstat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)}
+    assert not writable, writable
 
 
 def test_a_persist_none_run_restarts_without_the_new_durable_tier_warning(
