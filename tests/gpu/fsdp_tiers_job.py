@@ -106,10 +106,11 @@ def resume(root: Path, rank: int) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     expected = torch.load(root / "expected" / f"rank{rank}_step{step}.pt")
     ok = same(shards(state_of(model, opt)), expected)
-    for line in lines:
-        if "replica" in line:
-            print(f"LOG {rank} {line}", flush=True)
-    print(f"RESUMED {rank} {step} {ok}", flush=True)
+    # one write per line: the ranks share torchrun's stdout, and a line written in two parts
+    # (its text, then its newline: print, unbuffered) may be split by the other rank's
+    out = [f"LOG {rank} {line}\n" for line in lines if "replica" in line]
+    sys.stdout.write("".join(out) + f"RESUMED {rank} {step} {ok}\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
