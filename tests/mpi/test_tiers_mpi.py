@@ -305,6 +305,13 @@ def test_memory_limit_counts_the_replicas_held(world: World, nodes: Path, engine
     agree(errors, f"memory_limit with replicas on {world.size} ranks")
 
 
+def big_or_small(rank: int, step: int, big: bool) -> dict:
+    """``rank``'s state of ``step``, with 2.5 MiB more where ``big`` (more than a 3 MiB tier
+    holds)."""
+    extra = {"big": rand_tensor((5 << 19,), torch.uint8, step)} if big else {}
+    return {**rank_state(rank, step), **extra}
+
+
 # -- a save refused on one rank only -------------------------------------------------------------
 def test_save_refused_on_one_rank_only(world: World, nodes: Path, shared: Path,
                                        engine: Engine) -> None:
@@ -315,14 +322,10 @@ def test_save_refused_on_one_rank_only(world: World, nodes: Path, shared: Path,
     durable = shared / "durable"
     limit = 3 << 20 if world.rank == 1 else None
 
-    def state(step: int, big: bool) -> dict:
-        extra = {"big": rand_tensor((5 << 19,), torch.uint8, step)} if big else {}
-        return {**rank_state(world.rank, step), **extra}
-
     errors: list[str] = []
     manager = CheckpointManager(durable, memory_dir=mine, memory_limit=limit, engine=engine)
     try:
-        first = manager.save(1, state(1, big=True))
+        first = manager.save(1, big_or_small(world.rank, 1, big=True))
         with collecting(errors, "save 1"):
             err = first.committed.exception(timeout=30)
             assert isinstance(err, TierFullError) == (world.rank == 1), err
@@ -330,7 +333,7 @@ def test_save_refused_on_one_rank_only(world: World, nodes: Path, shared: Path,
         latest = manager.latest_step()
         with collecting(errors, "latest after save 1"):
             assert latest is None
-        second = manager.save(2, state(2, big=False))
+        second = manager.save(2, big_or_small(world.rank, 2, big=False))
         with collecting(errors, "save 2"):
             assert second.persisted is not None
             second.result(timeout=30)
@@ -346,12 +349,12 @@ def test_save_refused_on_one_rank_only(world: World, nodes: Path, shared: Path,
         with collecting(errors, "latest after save 2"):
             assert latest == 2
         latest = manager.latest_step()
-        out = blank_like(state(2, big=False))
+        out = blank_like(big_or_small(world.rank, 2, big=False))
         loaded = manager.load(out)
         with collecting(errors, "restore"):
             assert (latest, loaded) == (2, 2)
-            assert_state_equal(out, state(2, big=False))
-        manager.save(3, state(3, big=True))
+            assert_state_equal(out, big_or_small(world.rank, 2, big=False))
+        manager.save(3, big_or_small(world.rank, 3, big=True))
     finally:
         err = error_of(manager.close)
     with collecting(errors, "close"):
@@ -532,17 +535,13 @@ def test_a_save_again_failing_on_one_rank_keeps_the_step_on_every_rank(world: Wo
     durable = shared / "durable"
     limit = 3 << 20 if world.rank == 1 else None
 
-    def state(step: int, big: bool) -> dict:
-        extra = {"big": rand_tensor((5 << 19,), torch.uint8, step)} if big else {}
-        return {**rank_state(world.rank, step), **extra}
-
     errors: list[str] = []
     manager = CheckpointManager(durable, memory_dir=mine, memory_limit=limit, keep_memory=1,
                                 persist=1, engine=engine)
     try:
-        manager.save(1, state(1, big=False))
+        manager.save(1, big_or_small(world.rank, 1, big=False))
         manager.wait()
-        again = manager.save(1, state(2, big=True))
+        again = manager.save(1, big_or_small(world.rank, 2, big=True))
         with collecting(errors, "save again"):
             err = again.committed.exception(timeout=30)
             if world.rank == 1:
@@ -553,11 +552,11 @@ def test_a_save_again_failing_on_one_rank_keeps_the_step_on_every_rank(world: Wo
             assert again.persisted is None
         error_of(manager.wait)
         latest = manager.latest_step()
-        out = blank_like(state(1, big=False))
+        out = blank_like(big_or_small(world.rank, 1, big=False))
         loaded = manager.load(out)
         with collecting(errors, "restore"):
             assert (latest, loaded) == (1, 1)
-            assert_state_equal(out, state(1, big=False))
+            assert_state_equal(out, big_or_small(world.rank, 1, big=False))
     finally:
         error_of(manager.close)
     with collecting(errors, "tiers"):
