@@ -73,6 +73,8 @@ SLOT_DIR_PREFIX = ".slots."
 #: Free slots the pool keeps sized and pinned ahead of the next save once the rotation is
 #: made (``prepare()`` makes the rotation's slots, as many as the tier has room for).
 SPARE = 1
+#: how long a save that found the tier full waits for a slot being made to give its pages back
+DOOMED_WAIT_S = 60.0
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (an entry, its alignment
 #: pad's and its share of the bytes items'; a header that outgrows it raises the pool's room).
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 1024
@@ -441,7 +443,9 @@ class SlotPool:
         """Bytes of the tier that the slot ``waiting`` is to get holds now: the free slot
         (or one being readied) that comes to it in save order, whose pages may not be there
         yet (a slot made for it, that the tier may have no room for), else one that a step
-        or a save holds and gives back (the largest)."""
+        holds and gives back once a save in flight commits (the largest; none where no save
+        is in flight: the step leaves only after this save). A slot being sized holds none
+        yet: its sizing may fail half-way and give the pages it got back to the tier."""
         with self._lock:
             if waiting.slot is not None:
                 return waiting.slot.pages()
@@ -453,8 +457,13 @@ class SlotPool:
                            reverse=True)
             index = ahead.index(waiting)
             if index < len(order):
-                return order[index].pages()
-            slots = [*self._held.values()]
+                slot = order[index]
+                sizing = slot in self._readying and slot.arena is None
+                return 0 if sizing else slot.pages()
+            # a step's slot comes free when a save in flight commits and the step leaves the
+            # tier; with none in flight (slots taken, not held), none comes before this save's
+            in_flight = self._count - len(self._free) - len(self._readying) - len(self._held)
+            slots = [*self._held.values()] if in_flight > 0 else []
         return max((s.pages() for s in slots), default=0)
 
     def need_room(self, header_len: int) -> None:
@@ -518,18 +527,25 @@ class SlotPool:
             with self._lock:
                 self._sizing, self._spares = False, 0
         else:
-            self._pin(slot, start, sized)
+            with self._lock:
+                doomed = slot in self._doomed
+            if not doomed:  # a slot release_free gave up goes unpinned
+                self._pin(slot, start, sized)
         finally:
             with self._lock:
                 self._readying.remove(slot)
                 doomed = slot in self._doomed and not self._owed()  # else a waiting save's
-                self._doomed.discard(slot)
+                if not doomed:
+                    self._doomed.discard(slot)
                 closed = self._closed
                 if not (closed or doomed):
                     self._free.append(slot)
                 self._readied.notify_all()
         if closed or doomed:  # the pool closed meanwhile (a prepare(wait=True) was helping),
             self._forget(slot)  # or release_free gave the slot up
+            with self._lock:
+                self._doomed.discard(slot)  # its pages are back: release_free's wait ends
+                self._readied.notify_all()
         else:
             self._serve()
         return True
@@ -576,8 +592,9 @@ class SlotPool:
 
     def release_free(self) -> int:
         """A save does not fit on the tier: remove the free slots that no waiting save is
-        to get (one being readied once the pool's thread is done with it: the save does not
-        wait, and no longer counts it), and make no more spares; return how many go."""
+        to get, and make no more spares; return how many go. One being sized goes once the
+        pool's thread is done with it (not pinned): the save waits for that (the tier's
+        pages it holds come back before the save counts its room again)."""
         with self._lock:
             self._spares = self._rotation = 0
             unowed = self._spare_slots()
@@ -590,6 +607,11 @@ class SlotPool:
             self._thread.wake()  # to ready the free slots kept for waiting saves
         for slot in slots:
             self._forget(slot)
+        with self._lock:
+            if not self._readied.wait_for(lambda: not self._doomed.intersection(doomed),
+                                          timeout=DOOMED_WAIT_S):
+                log.warning("dcp_datastates: a memory-tier slot being made did not give its "
+                            "pages back within %.0f s", DOOMED_WAIT_S)
         if slots or doomed:
             log.info("dcp_datastates: the memory tier %s had no room for a save: %d free "
                      "slot(s) removed; no slot is made ahead of the saves from now on",

@@ -23,7 +23,13 @@ from helpers import (
     mounted_tmpfs,
     rand_tensor,
 )
-from helpers.fakes import Costly, FakeClock, HeldPinEngine, HeldPinRoomEngine
+from helpers.fakes import (
+    Costly,
+    FakeClock,
+    HalfMappingEngine,
+    HeldPinEngine,
+    HeldPinRoomEngine,
+)
 from helpers.tiers import make_state, slot_files, steps_in, tier_files, wait_until
 
 from dcp_datastates import CheckpointManager, Engine, TierFullError
@@ -114,6 +120,28 @@ def test_a_slot_the_tier_has_no_room_for_holds_none_of_its_pages(
         assert not pool.readying()
     finally:
         pool.close()
+
+
+def test_a_waiting_save_counts_no_pages_of_a_slot_still_being_made(memory: Path) -> None:
+    """A save that waits for the slot the pool's thread is sizing counts none of its pages as
+    its own: sizing may yet fail (ENOSPC half-way) and give them back to the tier. The save's
+    admission once counted the pages populated so far, was admitted onto a tier with no room
+    for it, and failed with ENOSPC half-way through its data file (seen in CI)."""
+    engine = HalfMappingEngine(io_backend="threads", host_cache_size="8MiB", io_workers=2)
+    pool = SlotPool(engine, memory, 1)
+    try:
+        pool.prepare(4 * MiB, 4)
+        assert engine.mapping.wait(10), "the pool's thread never sized the slot"
+        waiting = pool.take(later=True)
+        assert isinstance(waiting, NextSlot)
+        assert waiting.nbytes == 0, "the pages of a slot being made counted as the save's"
+        engine.gate.set()
+        wait_until(lambda: not pool.readying(), "the slot's sizing to fail", 10)
+        assert waiting.nbytes == 0, "the pages of a slot that was not made counted"
+    finally:
+        engine.gate.set()
+        pool.close()
+        engine.close()
 
 
 def test_a_save_that_comes_while_its_slot_is_pinned_does_not_wait_for_it(
