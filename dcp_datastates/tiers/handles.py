@@ -54,6 +54,8 @@ class SaveHandle:
     staging_ordered: Callable[[], bool] | None = field(default=None, repr=False)
     figures: SaveFigures = field(init=False)
     raised: bool = field(default=False, init=False)  # result() raised the save's error
+    #: False for a save that never started (refused at its call): it holds no slot
+    started: bool = field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         self.figures = SaveFigures(self.step, skipped=self.skipped)

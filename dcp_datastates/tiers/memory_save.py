@@ -80,7 +80,7 @@ class MemorySaver:
         writer = None
         try:
             nbytes = state_bytes(state)
-            self._admit(step, nbytes, slot.nbytes if slot is not None else 0)
+            self._admit(step, nbytes, slot)
             make_private(directory)
             if replacing:
                 mark_replacing(directory)
@@ -94,8 +94,14 @@ class MemorySaver:
         except Exception as exc:  # noqa: BLE001 - the handle carries it; training goes on
             if writer is not None:
                 writer.close()  # a snapshot staged for a save that will not run: given back
+            if slot is not None:
+                assert self.slots is not None  # a slot comes from slots
+                # now, not in save order: the next save's admission counts what the pool has
+                self.slots.give_back(slot)
             log.error("dcp_datastates: checkpoint of step %d not taken: %s", step, exc)
-            return failed_handle(step, exc)
+            refused = failed_handle(step, exc)
+            refused.started = False
+            return refused
         handle = SaveHandle(step, staged, committed, staging_ordered=writer.staging_ordered)
         handle.figures.blocked_s = time.perf_counter() - start
         handle.figures.bytes = nbytes
@@ -107,22 +113,34 @@ class MemorySaver:
         handle.staged.add_done_callback(snapshot_done)
         return handle
 
-    def _admit(self, step: int, nbytes: int, reuse: int) -> None:
-        """Raise TierFullError unless a save of ``nbytes`` fits, ``reuse`` bytes of them in
-        the slot it is snapshotted into (on the tier already); where it does not, the free
-        slots go first (a spare: none is made from then on), then steps the durable tier
-        holds leave the memory tiers, as many as it takes, if that is enough."""
-        need = max(0, nbytes - reuse) + SLACK_BYTES
-        free = self.room(reuse)
-        if need > free and self.slots is not None and self.slots.release_free():
-            free = self.room(reuse)  # the free slots (a spare) gave way
+    def _admit(self, step: int, nbytes: int, slot: Slot | NextSlot | None) -> None:
+        """Raise TierFullError unless a save of ``nbytes`` fits, some of them in the pages
+        that ``slot`` (the one it is snapshotted into) holds on the tier already; where it
+        does not, the free slots go first (a spare: none is made from then on), then steps
+        the durable tier holds leave the memory tiers, as many as it takes, if that is
+        enough. Where the tier is short, the room is counted again once the slots being
+        made are (they move the tier's pages between its free space and themselves)."""
+        need, free = self._shortfall(nbytes, slot)
+        if need > free and self.slots is not None:
+            self.slots.release_free()  # the free slots (a spare) give way
+            self.slots.wait_readied()
+            need, free = self._shortfall(nbytes, slot)
         if need > free and self.retention.make_room(need - free):
-            free = self.room(reuse)
+            if self.slots is not None:
+                self.slots.wait_readied()
+            need, free = self._shortfall(nbytes, slot)
         if need > free:
             raise TierFullError(
                 f"memory tier {self.memory} has {format_size(free)} free; the checkpoint "
                 f"of step {step} needs {format_size(need)}. Nothing was written; "
                 f"{self._advice()}")
+
+    def _shortfall(self, nbytes: int, slot: Slot | NextSlot | None) -> tuple[int, int]:
+        """Bytes a save of ``nbytes`` into ``slot`` needs on the tier, and the tier's room:
+        the slot's pages are read first (a slot being sized takes them from the free space:
+        read the other way round, a page could be counted twice)."""
+        reuse = slot.nbytes if slot is not None else 0
+        return max(0, nbytes - reuse) + SLACK_BYTES, self.room(reuse)
 
     def _advice(self) -> str:
         """What gives the tier room, as the options in use allow."""
@@ -182,7 +200,7 @@ class MemorySaver:
         """In save order: the slot, the figures, the memory tier's retention, the replica's
         exchange (on the replicator's thread)."""
         ok = handle.committed.exception() is None
-        if slot is not None:
+        if slot is not None and handle.started:  # a save refused at its call gave it back
             assert self.slots is not None  # a slot comes from slots
             self.slots.settle(slot, step_dir(self.memory, handle.step), ok)
         (self._failed.discard if ok else self._failed.add)(handle.step)

@@ -73,8 +73,8 @@ SLOT_DIR_PREFIX = ".slots."
 #: Free slots the pool keeps sized and pinned ahead of the next save once the rotation is
 #: made (``prepare()`` makes the rotation's slots, as many as the tier has room for).
 SPARE = 1
-#: how long a save that found the tier full waits for a slot being made to give its pages back
-DOOMED_WAIT_S = 60.0
+#: how long a save that found the tier short waits for the slots being made (wait_readied)
+READY_WAIT_S = 60.0
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (an entry, its alignment
 #: pad's and its share of the bytes items'; a header that outgrows it raises the pool's room).
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 1024
@@ -444,8 +444,7 @@ class SlotPool:
         (or one being readied) that comes to it in save order, whose pages may not be there
         yet (a slot made for it, that the tier may have no room for), else one that a step
         holds and gives back once a save in flight commits (the largest; none where no save
-        is in flight: the step leaves only after this save). A slot being sized holds none
-        yet: its sizing may fail half-way and give the pages it got back to the tier."""
+        is in flight: the step leaves only after this save)."""
         with self._lock:
             if waiting.slot is not None:
                 return waiting.slot.pages()
@@ -457,9 +456,7 @@ class SlotPool:
                            reverse=True)
             index = ahead.index(waiting)
             if index < len(order):
-                slot = order[index]
-                sizing = slot in self._readying and slot.arena is None
-                return 0 if sizing else slot.pages()
+                return order[index].pages()
             # a step's slot comes free when a save in flight commits and the step leaves the
             # tier; with none in flight (slots taken, not held), none comes before this save's
             in_flight = self._count - len(self._free) - len(self._readying) - len(self._held)
@@ -593,8 +590,7 @@ class SlotPool:
     def release_free(self) -> int:
         """A save does not fit on the tier: remove the free slots that no waiting save is
         to get, and make no more spares; return how many go. One being sized goes once the
-        pool's thread is done with it (not pinned): the save waits for that (the tier's
-        pages it holds come back before the save counts its room again)."""
+        pool's thread is done with it (not pinned; :meth:`wait_readied` waits for that)."""
         with self._lock:
             self._spares = self._rotation = 0
             unowed = self._spare_slots()
@@ -607,16 +603,21 @@ class SlotPool:
             self._thread.wake()  # to ready the free slots kept for waiting saves
         for slot in slots:
             self._forget(slot)
-        with self._lock:
-            if not self._readied.wait_for(lambda: not self._doomed.intersection(doomed),
-                                          timeout=DOOMED_WAIT_S):
-                log.warning("dcp_datastates: a memory-tier slot being made did not give its "
-                            "pages back within %.0f s", DOOMED_WAIT_S)
         if slots or doomed:
             log.info("dcp_datastates: the memory tier %s had no room for a save: %d free "
                      "slot(s) removed; no slot is made ahead of the saves from now on",
                      self.directory.parent, len(slots) + len(doomed))
         return len(slots) + len(doomed)
+
+    def wait_readied(self) -> None:
+        """Wait until no slot is being sized or pinned, nor given up and not yet gone: the
+        tier's pages stop moving between its free space and the slots (a save that found
+        the tier short counts its room again after; bounded, logged if it runs out)."""
+        with self._lock:
+            if not self._readied.wait_for(lambda: not (self._readying or self._doomed),
+                                          timeout=READY_WAIT_S):
+                log.warning("dcp_datastates: the memory-tier slots in %s were still being "
+                            "made after %.0f s", self.directory, READY_WAIT_S)
 
     def settle(self, slot: Slot | NextSlot, directory: Path, committed: bool) -> None:
         """A save that had ``slot`` has ended: the slot is free again (the save did not use

@@ -335,19 +335,3 @@ class FileTarget:
         self.engine.unmap_file(self.arena)
         os.close(self.fd)
 
-
-class HalfMappingEngine(Engine):
-    """An engine whose ``map_file`` (the sizing of a memory-tier slot, on the slot pool's
-    thread) populates half of the file's pages, sets ``mapping``, waits until ``gate`` is set,
-    then fails with ENOSPC, as a tier that ran out of room half-way does."""
-
-    def __init__(self, **kw: object) -> None:
-        super().__init__(**kw)
-        self.gate, self.mapping = threading.Event(), threading.Event()
-
-    def map_file(self, fd: int, nbytes: int, name: str, *, pin: bool = True) -> Arena:
-        os.posix_fallocate(fd, 0, nbytes // 2)
-        self.mapping.set()
-        if not self.gate.wait(60):
-            raise RuntimeError("the test never let the mapping go on")
-        raise OSError(errno.ENOSPC, f"cannot allocate {nbytes} bytes for {name} (fake)")

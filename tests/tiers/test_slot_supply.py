@@ -26,7 +26,6 @@ from helpers import (
 from helpers.fakes import (
     Costly,
     FakeClock,
-    HalfMappingEngine,
     HeldPinEngine,
     HeldPinRoomEngine,
 )
@@ -37,7 +36,7 @@ from dcp_datastates.format.align import round_up
 from dcp_datastates.sizes import free_bytes
 from dcp_datastates.tiers.manager import _snapshot_size
 from dcp_datastates.tiers.memory_save import SLACK_BYTES, state_bytes
-from dcp_datastates.tiers.slots import NextSlot, SlotPool, _header_room
+from dcp_datastates.tiers.slots import NextSlot, Slot, SlotPool, _header_room
 
 MiB = 1 << 20
 
@@ -122,26 +121,35 @@ def test_a_slot_the_tier_has_no_room_for_holds_none_of_its_pages(
         pool.close()
 
 
-def test_a_waiting_save_counts_no_pages_of_a_slot_still_being_made(memory: Path) -> None:
-    """A save that waits for the slot the pool's thread is sizing counts none of its pages as
-    its own: sizing may yet fail (ENOSPC half-way) and give them back to the tier. The save's
-    admission once counted the pages populated so far, was admitted onto a tier with no room
-    for it, and failed with ENOSPC half-way through its data file (seen in CI)."""
-    engine = HalfMappingEngine(io_backend="threads", host_cache_size="8MiB", io_workers=2)
-    pool = SlotPool(engine, memory, 1)
+def test_a_waiting_save_counts_a_steps_slot_only_while_a_save_may_free_it(
+        memory: Path, engine: Engine) -> None:
+    """Every slot in use, a save waits for the next: a slot that a committed step holds comes
+    free only when a save in flight commits (the step then leaves the tier), so the waiting
+    save counts its pages as its own only while one is in flight. With none, it once counted
+    them anyway, was admitted onto a tier with no room for it, and failed with ENOSPC
+    half-way through its data file (seen in CI)."""
+    pool = SlotPool(engine, memory, 2)
     try:
-        pool.prepare(4 * MiB, 4)
-        assert engine.mapping.wait(10), "the pool's thread never sized the slot"
+        pool.prepare(MiB, 4, wait=True)
+        kept = pool.take()
+        wait_until(lambda: not pool.readying(), "the spare slot to be made", 5)
+        writing = pool.take()
+        assert isinstance(kept, Slot) and isinstance(writing, Slot)
+        step = memory / "step_1"
+        step.mkdir()
+        kept.adopt(step / "data.safetensors")
+        pool.settle(kept, step, committed=True)  # step 1 holds its slot
         waiting = pool.take(later=True)
         assert isinstance(waiting, NextSlot)
-        assert waiting.nbytes == 0, "the pages of a slot being made counted as the save's"
-        engine.gate.set()
-        wait_until(lambda: not pool.readying(), "the slot's sizing to fail", 10)
-        assert waiting.nbytes == 0, "the pages of a slot that was not made counted"
+        assert waiting.nbytes == kept.nbytes, "a save in flight frees step 1's slot for it"
+        second = memory / "step_2"
+        second.mkdir()
+        writing.adopt(second / "data.safetensors")
+        pool.settle(writing, second, committed=True)  # it commits: none is in flight now
+        assert waiting.slot is None
+        assert waiting.nbytes == 0, "a step's slot that no save in flight frees counted"
     finally:
-        engine.gate.set()
         pool.close()
-        engine.close()
 
 
 def test_a_save_that_comes_while_its_slot_is_pinned_does_not_wait_for_it(
