@@ -1,4 +1,4 @@
-"""One benchmark run: command line, date, machine, errors, tables, and its JSON and PNG."""
+"""One benchmark run: command line, tree, date, machine, errors, tables, and its JSON and PNG."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shlex
+import subprocess
 import sys
 import time
 import traceback
@@ -50,8 +51,21 @@ def command_line(launcher: str) -> str:
     return shlex.join([*shlex.split(launcher), str(script), *sys.argv[1:]])
 
 
+def tree() -> str | None:
+    """The commit the checkout is at, with ``+`` after it where tracked files differ from it;
+    None outside a git checkout (``report.py`` then asks for the JSON's ``tree`` by hand)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "-uno")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
+
+
 class Run:
-    """What one run records: its command, date, machine, figures, tables and errors.
+    """What one run records: its command, tree, date, machine, figures, tables and errors.
 
     ``res`` is the JSON: benchmarks add their figures to it; ``show`` adds a table.
     ``fail_fast``: ``guard`` raises what failed once it is recorded (a rank of several that
@@ -72,7 +86,8 @@ class Run:
         self.fail_fast = fail_fast
         self.json = args.json or OUT / f"{name}{'_cpu_smoke' if smoke else ''}.json"
         self.res: dict = {
-            "benchmark": name, "command": command_line(launcher), "argv": sys.argv,
+            "benchmark": name, "command": command_line(launcher), "tree": tree(),
+            "argv": sys.argv,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": describe(dirs), "args": vars(args), "cpu_smoke": smoke,
             "loadavg_1min": [os.getloadavg()[0]], "errors": {}, "tables": []}
