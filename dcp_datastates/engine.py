@@ -75,9 +75,6 @@ class Saves(Work, Protocol):
     def order_after_staging(self) -> None:
         """Hold the calling thread's next work until those snapshots are staged (ordered)."""
 
-    def memory_given_up(self) -> bool:
-        """Whether a wait for cache memory should stop: only untaken snapshots hold it."""
-
 
 class Engine:
     """The process's host cache, CUDA streams, I/O backend and executors.
@@ -160,14 +157,16 @@ class Engine:
         aside (False without a GPU: ``aside.room_for``); tests override it."""
         return room_for(nbytes, self.cuda)
 
-    def reserve(self, nbytes: int, *, wait: bool = True) -> Lease | None:
+    def reserve(self, nbytes: int, *, wait: bool = True,
+                give_up: Callable[[], bool] = lambda: False) -> Lease | None:
         """A snapshot lease of ``nbytes`` (less where the cache is smaller: the caller stages
         the rest in pageable memory), or None where no cache memory can be had.
 
         With ``wait``, blocks while the cache is full (backpressure) until earlier saves have
         flushed; a request larger than the cache is admitted once nothing else holds it. It
-        returns None when the save order gives the wait up (only snapshots that no save has
-        taken hold the cache: ``jobs/ordering.py``), and the caller stages in pageable memory.
+        returns None once ``give_up()`` says the wait is futile (the save job passes its save
+        order's judgement: only snapshots that no save has taken hold the cache), and the
+        caller stages in pageable memory.
         Without ``wait`` (a save whose turn it is: what holds memory waits behind it), returns
         None at once when the memory is taken. Makes or grows the cache here where needed.
         """
@@ -179,7 +178,7 @@ class Engine:
             if not wait:
                 return None
             self.check_open()
-            if self.saves is not None and self.saves.memory_given_up():
+            if give_up():
                 return None
             arena.pool.wait_for_release(POLL_S)
         return lease

@@ -301,8 +301,9 @@ class SaveOrder(Generic[J]):
             self._end_abandoned(job)
 
     def memory_given_up(self) -> bool:
-        """For the engine's memory waits: end abandoned saves, then whether the cache is held
-        only by snapshots no save has taken for the grace time (rule 4: waiting is futile)."""
+        """For a save's wait for cache memory (``Engine.reserve``'s ``give_up``): end abandoned
+        saves, then whether the cache is held only by snapshots no save has taken for the grace
+        time (rule 4: waiting is futile)."""
         self.reap()
         with self._lock:
             holders = [j for j in self._jobs.values() if j.holds_memory()]

@@ -234,7 +234,8 @@ class SaveJob:
         if ended:
             return self._go_quiet(plan)
         try:
-            held = lease if lease is not None else self.hold(self.engine.reserve(plan.total))
+            held = lease if lease is not None else self.hold(
+                self.engine.reserve(plan.total, give_up=self.order.memory_given_up))
             snapshot = Snapshot(held, plan.placements, in_target=lease is not None)
             staged, snapshot.overflow, copies = issue_into(
                 snapshot.lease, plan.sources, plan.offsets, self.engine.cuda, plan.ready,

@@ -34,6 +34,7 @@ from ..engine import Engine, default_engine
 from ..errors import CheckpointError
 from ..format.directory import memory_backed
 from ..jobs.snapshot import layout, walk
+from ..renamed import Renamed
 from ..sizes import parse_size
 from .budget import Budget, check_max_overhead
 from .claims import TierClaims
@@ -332,6 +333,9 @@ class CheckpointManager:
     def order_after_staging(self) -> None:
         """What ``guard`` calls (:meth:`Engine.order_after_staging`), counted as above."""
         self._wait(self.engine.order_after_staging)
+
+    wait_for_snapshots = Renamed("wait_for_staging", removed_in="0.2.0")
+    order_after_snapshots = Renamed("order_after_staging", removed_in="0.2.0")
 
     def _wait(self, wait: Callable[[], None]) -> None:
         wait() if self._budget is None else self._budget.wait(wait)

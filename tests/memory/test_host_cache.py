@@ -338,7 +338,8 @@ def test_direct_io_save_under_file_system_sharing_strategy(
     expected = clone_state(state)
     writer = DataStatesWriter(engine=engine, direct_io=True)
     if mode == "sync":
-        dcp.save(state, checkpoint_id=tmp_path, storage_writer=writer, no_dist=True)
+        dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer,
+                   no_dist=True).upload_completion.result(timeout=60)
     else:
         dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer,
                        no_dist=True).upload_completion.result(timeout=60)
@@ -403,3 +404,39 @@ def test_an_arena_over_a_file_without_room_fails_at_once_and_gives_its_pages_bac
             arena.free()
         finally:
             os.close(fd)
+
+
+def test_engine_reserve_gives_up_when_its_caller_says(make_engine) -> None:
+    """A wait for cache memory ends with None once ``give_up`` (the save order's judgement,
+    injected by the save job) says so; without it, it waits on."""
+    engine = make_engine(host_cache_size="1MiB", io_backend="threads")
+    hog = engine.reserve(1 << 40)
+    futile = threading.Event()
+    got: list[Lease | None] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(engine.reserve(10 * PAGE, give_up=futile.is_set)))
+    waiter.start()
+    try:
+        waiter.join(0.3)
+        assert waiter.is_alive() and not got
+        futile.set()
+        waiter.join(10)
+        assert got == [None] and engine.live_leases() == 1
+    finally:
+        hog.release()
+
+
+def test_a_snapshot_no_save_takes_stops_holding_the_cache_after_the_grace(
+        tmp_path: Path, make_engine) -> None:
+    """A snapshot staged with ``writer.stage()`` that no save takes fills the cache: a later
+    save waits for the grace, then stages in pageable memory, and saves the right bytes."""
+    engine = make_engine(host_cache_size="4MiB", io_backend="threads", io_workers=2)
+    hog = DataStatesWriter(engine=engine)
+    hog.stage({"w": rand_tensor((3 * MiB,), torch.uint8, seed=1)}).result(timeout=60)
+    state = {"w": rand_tensor((MiB,), torch.uint8, seed=2)}
+    writer = DataStatesWriter(engine=engine)
+    dcp.async_save(state, checkpoint_id=tmp_path, storage_writer=writer,
+                   no_dist=True).upload_completion.result(timeout=60)
+    assert writer.last_stats().overflow_bytes == MiB
+    assert_state_equal(load_into(clone_state(state), tmp_path), state)
+    hog.close()
