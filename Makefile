@@ -2,6 +2,8 @@
 # Everything is installed into the project's .venv (made with $(PYTHON)), never into the system.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# the package's extras that the suite needs
+EXTRAS := test,bench
 VENV := .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -34,8 +36,19 @@ TITAN02_PACKAGES := torchtitan==0.2.2 torchdata==0.11.0
 TITAN_TESTS := tests/integrations/test_torchtitan_integration.py \
                tests/integrations/test_torchtitan_trainer.py
 WITH_TITAN02 := PYTHONPATH=$(abspath $(TITAN02))
+# make test-newest-torch: the single-process suite again under NEWEST_TORCH, in a venv of its own
+# that takes the package from this tree (its native libraries are those `make native` built)
+# and its dependencies and EXTRAS from pyproject.toml; pip's `constraint` setting, by which a
+# machine may cap torch below the newest release, is lifted for that venv only
+NEWEST_TORCH ?= torch==2.15.0
+NEWEST_VENV := .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_PIP := PIP_CONSTRAINT=/dev/null $(NEWEST_PY) -m pip install -q
+PROJECT_REQUIREMENTS := import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	print(*p["dependencies"], *(r for e in "$(EXTRAS)".split(",") \
+	for r in p["optional-dependencies"][e]), sep="\n")
 
-.PHONY: setup mpi native demo test test-mpi fuzz test-package lint bench faults clean distclean FORCE
+.PHONY: setup mpi native demo test test-mpi test-newest-torch fuzz test-package lint bench faults clean distclean FORCE
 
 ## setup: system packages, then in .venv PyTorch (CPU wheel, pinned, first so that pip never
 ## picks a CUDA build) and the package (editable, which builds the shim) with its test tools,
@@ -49,7 +62,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
 		$(WAIT_APT_LISTS); $(APT_GET) update && $(APT_GET) install -y $$pkgs; fi
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,bench]" tyro
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]" tyro
 	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
 	$(PY) -m pip install -q --no-deps --upgrade --target $(TITAN02) $(TITAN02_PACKAGES)
 	touch $@
@@ -58,6 +71,17 @@ $(VENV)/.setup-done: pyproject.toml Makefile $(VENV)/.layout
 mpi:
 	@dpkg -s $(MPI_APT_PACKAGES) >/dev/null 2>&1 || { $(WAIT_APT_LISTS); \
 		$(APT_GET) update && $(APT_GET) install -y $(MPI_APT_PACKAGES); }
+
+# $(NEWEST_VENV) (after setup, for its system packages): NEWEST_TORCH first, then what
+# pyproject.toml lists; done again when NEWEST_TORCH, pyproject.toml or this Makefile change
+$(NEWEST_VENV)/.setup-done: pyproject.toml Makefile $(NEWEST_VENV)/.torch | setup
+	[ -x $(NEWEST_PY) ] || $(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PIP) "$(NEWEST_TORCH)"
+	$(NEWEST_PY) -c '$(PROJECT_REQUIREMENTS)' >$(NEWEST_VENV)/requirements.txt
+	$(NEWEST_PIP) -r $(NEWEST_VENV)/requirements.txt
+	touch $@
+$(NEWEST_VENV)/.torch: FORCE
+	@mkdir -p $(NEWEST_VENV); echo '$(NEWEST_TORCH)' | cmp -s - $@ || echo '$(NEWEST_TORCH)' >$@
 
 # The editable install maps the package's directories as they are when it is made (a directory
 # made later, or given an __init__.py later, is not seen): this file changes when they do.
@@ -85,6 +109,12 @@ test: native lint
 	timeout 1800 $(PY) -m pytest -q tests  # a hang fails the run rather than holding CI
 	$(WITH_TITAN02) timeout 900 $(PY) -m pytest -q -p no:cacheprovider $(TITAN_TESTS)
 	$(MAKE) --no-print-directory test-mpi
+
+## test-newest-torch: the single-process suite under NEWEST_TORCH (default the newest release) in
+## $(NEWEST_VENV), with the package of this tree (CI runs it after `make test`)
+test-newest-torch: native $(NEWEST_VENV)/.setup-done
+	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__)'
+	PYTHONPATH=$(CURDIR) timeout 1500 $(NEWEST_PY) -m pytest -q tests
 
 test-mpi: native mpi
 	$(MPIRUN) -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
@@ -126,4 +156,4 @@ clean:
 	rm -rf build dist dcp_datastates/_lib benchmarks/out .pytest_cache
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(NEWEST_VENV)
