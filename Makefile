@@ -48,7 +48,7 @@ PROJECT_REQUIREMENTS := import tomllib; p = tomllib.load(open("pyproject.toml", 
 	print(*p["dependencies"], *(r for e in "$(EXTRAS)".split(",") \
 	for r in p["optional-dependencies"][e]), sep="\n")
 
-.PHONY: setup mpi native demo test test-mpi test-newest-torch fuzz test-package lint bench faults clean distclean FORCE
+.PHONY: setup mpi native demo test test-long test-mpi test-newest-torch fuzz test-package lint bench faults clean distclean FORCE
 
 ## setup: system packages, then in .venv PyTorch (CPU wheel, pinned, first so that pip never
 ## picks a CUDA build) and the package (editable, which builds the shim) with its test tools,
@@ -103,12 +103,19 @@ $(SHIM): native/dcp_uring.c native/dcp_uring.h native/dcp_hash.c CMakeLists.txt 
 demo: native
 	$(PY) examples/train_demo.py
 
-## test: the whole suite (single-process tests, the torchtitan tests again with torchtitan 0.2.2,
-## then multi-rank tests under mpirun -n 2 and -n 4)
+## test: ruff, mypy, the single-process suite, then the multi-rank tests under mpirun -n 2
+## (about 10 minutes on two cores; CI runs test-long after it)
 test: native lint
 	timeout 1800 $(PY) -m pytest -q tests  # a hang fails the run rather than holding CI
+	$(MAKE) --no-print-directory test-mpi MPI_RANKS=2
+
+## test-long: what `make test` leaves to CI: the torchtitan tests again with torchtitan 0.2.2
+## (one and two ranks) and the multi-rank tests under mpirun -n 4
+test-long: native mpi
 	$(WITH_TITAN02) timeout 900 $(PY) -m pytest -q -p no:cacheprovider $(TITAN_TESTS)
-	$(MAKE) --no-print-directory test-mpi
+	$(WITH_TITAN02) $(MPIRUN) -x PYTHONPATH -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider \
+		--with-mpi tests/integrations/test_torchtitan_integration.py
+	$(MAKE) --no-print-directory test-mpi MPI_RANKS=4
 
 ## test-newest-torch: the single-process suite under NEWEST_TORCH (default the newest release) in
 ## $(NEWEST_VENV), with the package of this tree (CI runs it after `make test`)
@@ -116,11 +123,11 @@ test-newest-torch: native $(NEWEST_VENV)/.setup-done
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__)'
 	PYTHONPATH=$(CURDIR) timeout 1500 $(NEWEST_PY) -m pytest -q tests
 
+## test-mpi: the multi-rank tests under mpirun with each of MPI_RANKS ranks (default 2 and 4)
+MPI_RANKS ?= 2 4
 test-mpi: native mpi
-	$(MPIRUN) -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
-	$(WITH_TITAN02) $(MPIRUN) -x PYTHONPATH -n 2 $(PY) -m pytest -q --color=no -p no:cacheprovider \
-		--with-mpi tests/integrations/test_torchtitan_integration.py
-	$(MPIRUN) -n 4 $(PY) -m pytest -q --color=no -p no:cacheprovider --with-mpi $(MPI_TESTS)
+	for n in $(MPI_RANKS); do $(MPIRUN) -n $$n $(PY) -m pytest -q --color=no -p no:cacheprovider \
+		--with-mpi $(MPI_TESTS) || exit 1; done
 
 ## fuzz: a long campaign of the differential test against DCP (tests/helpers/oracle.py):
 ## FUZZ_SEEDS seeds through every save path, on 1, 2 and 4 ranks; a failure names its seed
