@@ -30,7 +30,8 @@ log = logging.getLogger("dcp_datastates")
 PIN_PIECE = 64 << 20
 #: Shortest pause between two pieces; each pause lasts at least as long as the piece took, so
 #: that the training's CUDA calls get the driver's lock at least half of the time (a short
-#: fixed pause let the steps slow down several times while a slot was pinned: RESULTS.md).
+#: fixed pause let the steps slow down several times while a slot was pinned: RESULTS.md at
+#: 1d2b20c).
 PIN_PAUSE_S = 0.0005
 
 #: One copy: (device, destination address, source address, bytes).

@@ -8,7 +8,7 @@ functions for the short inputs and the final merge). The digests equal those of
 ``libdcp_hash.so`` and the xxhash package, so a load verifies them as any other. The kernel
 runs on a stream of its own, beside the copies (it reads the sources in GPU memory, they read
 them over PCIe): the commit then need not read the snapshot's bytes again to checksum them
-(a faster memory commit: ``benchmarks/RESULTS.md``). Until
+(a faster memory commit: ``benchmarks/RESULTS.md`` at 1d2b20c). Until
 the kernel is built, or where it cannot be, the commit hashes on the CPU (said once in the log).
 """
 

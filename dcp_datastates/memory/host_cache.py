@@ -45,7 +45,7 @@ thread's ``mmap``, thread start or page fault waits for one piece, not for gigab
 POPULATE_THREADS = 4
 """Threads that fault in a new arena's pages, each a piece at a time: one thread is bound by
 the kernel's zeroing and mapping of each page, and more gained nothing where it was measured
-(``benchmarks/RESULTS.md``). Fewer on a machine with fewer than twice as many cores."""
+(``benchmarks/RESULTS.md`` at 1d2b20c). Fewer on a machine with fewer than twice as many cores."""
 
 
 def map_private(fd: int, nbytes: int, what: str) -> int:

@@ -73,7 +73,7 @@ QUIET_MIN = 3
 #: How many baselines an interval of the tier's set-up may take with a save in flight before
 #: the excess is charged to the save (the set-up slows the loop; it does not stall it). Past
 #: it the account starves if a set-up ever slows the loop that much, so it is set well above
-#: the slowdowns seen (RESULTS.md), and still far below a wait of seconds for a commit.
+#: the slowdowns seen (RESULTS.md at 1d2b20c), and still far below a wait of seconds for a commit.
 SETUP_SLOWDOWN = 8
 #: Why a save is skipped, by precedence (an all-reduce keeps the highest of the ranks').
 OVER_BUDGET, NO_SLOT, COPYING = 1, 2, 3
