@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from types import FrameType
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -52,11 +51,10 @@ def check_state_matches(state: Mapping[str, object], metadata: Metadata,
     raise StateDictMismatchError("\n  ".join(lines))
 
 
-def planner_of(frame: FrameType | None) -> DefaultLoadPlanner | None:
-    """The planner of the DCP load step in ``frame`` (the caller of the reader's
-    ``set_up_storage_reader``), once it holds the state dict; None where the step plans with
-    a planner of its own (which may map keys otherwise) or looks different."""
-    planner = frame.f_locals.get("planner") if frame is not None else None
+def planner_of(planner: object) -> DefaultLoadPlanner | None:
+    """``planner`` (DCP's load step's, read by the reader's ``set_up_storage_reader``) where
+    it is DCP's default one and holds the state dict; None where the step plans with a planner
+    of its own (which may map keys otherwise) or looks different."""
     if (isinstance(planner, DefaultLoadPlanner)
             and type(planner).create_local_plan is DefaultLoadPlanner.create_local_plan
             and isinstance(getattr(planner, "state_dict", None), Mapping)):

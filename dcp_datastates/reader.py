@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +14,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .arguments import checked_keywords
+from .dcp_frames import LOAD_STEP, dcp_locals
 from .engine import Engine, default_engine
 from .errors import CheckpointCorruptError
 from .format.directory import checkpoint_path, is_url
@@ -104,7 +104,8 @@ class DataStatesReader(StorageReader):
         just before), check that the state fits the checkpoint, so that a state dict of
         another model fails naming the items that differ rather than the first one alone."""
         self.metadata = metadata
-        planner = planner_of(sys._getframe(1))
+        load_step = dcp_locals(LOAD_STEP)
+        planner = planner_of(load_step["planner"] if load_step is not None else None)
         if planner is not None:
             check_state_matches(planner.state_dict, metadata, self.path,
                                 strict=not planner.allow_partial_load)

@@ -44,7 +44,7 @@ def test_every_test_file_has_its_row_in_the_tests_readme() -> None:
 #: The package's floors, lowest first, as docs/ARCHITECTURE.md draws them: by folder, or by
 #: module at the top level ("__init__" is the package itself).
 FLOORS = [
-    {"errors", "sizes", "arguments", "renamed"},
+    {"errors", "sizes", "arguments", "renamed", "dcp_frames"},
     {"format"},
     {"memory", "cuda", "io", "workers"},
     {"engine", "stats", "mismatch"},
@@ -270,3 +270,16 @@ def test_every_exception_is_in_errors_under_one_base() -> None:
     assert issubclass(errors.StateDictMismatchError, RuntimeError)
     assert issubclass(errors.StateDictMismatchError, ValueError)
     assert issubclass(errors.UringUnavailable, RuntimeError)
+
+
+#: What reads a call stack: DCP's frames are read in dcp_frames.py alone (issue 50).
+FRAME_READS = re.compile(r"\b(_getframe|_current_frames|currentframe|f_locals|f_back|tb_frame)\b"
+                         r"|inspect\.(stack|trace)\b")
+
+
+def test_only_dcp_frames_reads_the_call_stack() -> None:
+    found = sorted(f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                   for path in PACKAGE.rglob("*.py") if path.name != "dcp_frames.py"
+                   for number, line in enumerate(path.read_text().splitlines(), 1)
+                   if FRAME_READS.search(line))
+    assert not found, "call-stack reads outside dcp_datastates/dcp_frames.py:\n" + "\n".join(found)

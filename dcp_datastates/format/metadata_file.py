@@ -16,10 +16,8 @@ import io
 import os
 import pickle
 import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from types import FrameType
 from typing import NoReturn
 
 import torch
@@ -35,8 +33,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.storage import StorageReader
 
+from ..dcp_frames import READ_METADATA, dcp_locals
 from ..errors import CheckpointCorruptError, CheckpointError, brief
 from .directory import fsync_dir, open_regular, write_new
 
@@ -90,22 +88,9 @@ def written_by_datastates(metadata: Metadata) -> Metadata:
     ``read_metadata``, whose errors some torch versions only log (then fail with a bare
     "metadata is None"), it returns a stand-in that raises that error at its first use,
     outside DCP's ``try``: on every torch version the load fails saying what to do."""
-    if _in_read_metadata(sys._getframe(1)):
+    if dcp_locals(READ_METADATA) is not None:
         return _WrongReader()
     raise CheckpointError(WRONG_READER)
-
-
-def _in_read_metadata(frame: FrameType | None, depth: int = 3) -> bool:
-    """Whether one of the ``depth`` innermost frames from ``frame`` is a StorageReader's
-    ``read_metadata``."""
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "read_metadata" and isinstance(
-                frame.f_locals.get("self"), StorageReader):
-            return True
-        frame = frame.f_back
-    return False
 
 
 class _WrongReader(Metadata):

@@ -22,17 +22,14 @@ When a save began, by what DCP calls on which thread (one function each, below):
 
 from __future__ import annotations
 
-import inspect
 import logging
-import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from types import FrameType
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import state_dict_saver
 
+from ..dcp_frames import ASYNC_SAVE, dcp_locals
 from ..errors import CheckpointError
 
 log = logging.getLogger("dcp_datastates")
@@ -84,22 +81,18 @@ def _default_group() -> dist.ProcessGroup | None:
     return None
 
 
-_ASYNC_SAVE = inspect.unwrap(state_dict_saver.async_save).__code__
-
-
 def began_staging() -> Began:
     """The beginning of a save whose snapshot the writer stages now: under the default group
     for a save DCP runs across the ranks (staged by ``dcp.async_save`` without ``no_dist``,
-    read from its frame, while a group of several ranks is up), else this rank's own."""
+    read from its frame by ``dcp_frames.py``, while a group of several ranks is up), else
+    this rank's own."""
     here = Began.here()
     if here.group is None:
         return here
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code is not _ASYNC_SAVE:
-        frame = frame.f_back
-    if frame is None or frame.f_locals.get("no_dist", False):
+    async_save = dcp_locals(ASYNC_SAVE)
+    if async_save is None or async_save["no_dist"]:
         return Began.here(own=True)
-    group = frame.f_locals.get("process_group") or dist.group.WORLD
+    group = async_save["process_group"] or dist.group.WORLD
     if group is dist.group.WORLD and dist.get_backend(group) == "gloo":
         warnings.warn(
             "dcp.async_save runs its collectives on DCP's upload thread, here on the default "

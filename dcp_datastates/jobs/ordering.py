@@ -14,9 +14,10 @@ or when it is *abandoned*, which is judged here and nowhere else, by these rules
    writer (DCP calls ``reset`` only when given a ``checkpoint_id``), and a thread that starts a
    save has left every earlier save it ran. NVRx's async checkpointing keeps such an index per
    async call; DCP gives no more than its call order, so rules 2 and 3 remain.
-2. **Caller** (heuristic, ``sys`` frames): the DCP call through which a save entered the
-   writer has returned, or its thread ended. Needed because a failure between two calls tells
-   the writer nothing, and the save would hold its memory, directory claim and turn forever.
+2. **Caller** (heuristic, DCP's frames, read by ``dcp_frames.py``): the DCP call through
+   which a save entered the writer has returned, or its thread ended. Needed because a failure
+   between two calls tells the writer nothing, and the save would hold its memory, directory
+   claim and turn forever.
 3. **Taker** (heuristic, thread liveness): the thread that took a snapshot (DCP's upload
    thread asks for the staged state dict before it calls the writer) ended before starting
    the save. Needed because a failing planner kills that thread before any writer call.
@@ -35,18 +36,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from types import FrameType
+from types import CodeType
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-import torch.distributed.checkpoint as _dcp
-
+from ..dcp_frames import dcp_entry, on_stack
 from ..errors import CheckpointError
 from .fence import StagingFence
 
@@ -67,8 +65,6 @@ POLL_S = 0.05
 #: How often the watcher looks for abandoned saves, when nothing else does.
 WATCH_S = 0.25
 
-_DCP_DIR = os.path.dirname(_dcp.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: This package's own threads (the engine's executors) never take a snapshot for a save.
 _OWN_THREADS = "dcp_datastates-"
 
@@ -94,22 +90,16 @@ class Caller:
 
     thread: threading.Thread
     frame_id: int
-    code: object
+    code: CodeType | None
 
     @classmethod
     def here(cls) -> Caller:
         """The calling thread, and the outermost DCP frame around the writer's method: the
         call through which DCP runs this save."""
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
-            frame = frame.f_back
-        entry = frame
-        while frame is not None and frame.f_code.co_filename.startswith(_DCP_DIR):
-            entry = frame
-            frame = frame.f_back
+        entry = dcp_entry()
         if entry is None:  # called from nowhere we can see: the thread alone decides
             return cls(threading.current_thread(), 0, None)
-        return cls(threading.current_thread(), id(entry), entry.f_code)
+        return cls(threading.current_thread(), *entry)
 
     def gone(self) -> bool:
         """Whether the thread ended or has returned from that call."""
@@ -117,13 +107,7 @@ class Caller:
             return True
         if self.code is None:
             return False
-        ident = self.thread.ident  # set: the thread is alive
-        frame = sys._current_frames().get(ident) if ident is not None else None
-        while frame is not None:
-            if id(frame) == self.frame_id and frame.f_code is self.code:
-                return False
-            frame = frame.f_back
-        return True
+        return not on_stack(self.thread, (self.frame_id, self.code))
 
 
 class Tie:
