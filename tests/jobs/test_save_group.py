@@ -48,9 +48,10 @@ def reset_on_another_thread(writer: DataStatesWriter, path: Path) -> BaseExcepti
         except BaseException as exc:  # noqa: BLE001 - the test looks at it
             raised.append(exc)
 
-    thread = threading.Thread(target=start)
+    thread = threading.Thread(target=start, daemon=True)
     thread.start()
     thread.join(30)
+    assert not thread.is_alive(), f"{writer}.reset({path}) on another thread never returned"
     return raised[0] if raised else None
 
 
@@ -71,5 +72,7 @@ def test_a_save_begins_under_the_group_up_on_its_writers_thread(
     made_before = DataStatesWriter(engine=engine)
     groups()
     made_after = DataStatesWriter(engine=engine)
-    made_before.reset(tmp_path / "a")  # dcp.save on the thread that made it: begins now
+    # first (a save waits for the DCP calls of earlier saves to return: a call from the test's
+    # own frame never does)
     assert reset_on_another_thread(made_after, tmp_path / "b") is None
+    made_before.reset(tmp_path / "a")  # dcp.save on the thread that made it: begins now
