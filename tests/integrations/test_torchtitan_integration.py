@@ -55,6 +55,7 @@ from dcp_datastates.integrations.torchtitan import (  # noqa: E402
     TORCHTITAN,
     DataStates,
     DataStatesCheckpointManager,
+    TorchtitanAPI,
     enable_datastates,
     is_datastates_checkpoint,
 )
@@ -400,6 +401,8 @@ def test_one_seam_knows_the_release(one_rank: None, tmp_path: Path) -> None:
     if not TORCHTITAN.legacy:  # 0.3's public methods keep their guards
         assert not {"save", "load"} & set(vars(DataStatesCheckpointManager))
     assert issubclass(DataStatesCheckpointManager.Config, TORCHTITAN.config)
+    with pytest.raises(ImportError, match="torchtitan cannot be imported: gone"):
+        TorchtitanAPI(error="gone").containers([], lambda step: 1.0)  # none installed
 
     run = Run(seed=0)
     plain = TORCHTITAN.config(enable=True, folder="plain", async_mode="async")
