@@ -3,8 +3,8 @@
 torchtitan (0.2.x and 0.3.x) sends every DCP call of its ``CheckpointManager`` through two
 public methods, ``dcp_save`` and ``dcp_load``. This module provides them; nothing private of
 torchtitan is replaced. What differs between the two releases (how a manager and its config are
-made, which methods a subclass overrides) is in one place, :data:`TORCHTITAN`. Two ways to use
-it:
+made, which methods a subclass overrides) is in one object per release, chosen once at import:
+:data:`TORCHTITAN`. Two ways to use it:
 
 * in a torchtitan 0.3 Python config, in place of ``CheckpointManager.Config`` (with 0.2.x, the
   same fields in the JobConfig's ``checkpoint`` section; see :class:`DataStatesCheckpointManager`)::
@@ -75,7 +75,7 @@ waits for the snapshot inside ``save()``.
 
 from __future__ import annotations
 
-import inspect
+import functools
 import logging
 import os
 import re
@@ -88,7 +88,6 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
@@ -103,6 +102,7 @@ from ..stats import SaveStats
 from ..tiers import CheckpointManager as TierManager
 from ..tiers.steps import name_steps, step_dir
 from ..writer import DataStatesWriter
+from ._torchtitan_releases import TORCHTITAN, TorchtitanAPI
 
 log = logging.getLogger("dcp_datastates")
 
@@ -399,139 +399,12 @@ def enable_datastates(
     ds = _attach(manager, DataStates(
         engine=engine if engine is not None else default_engine(), overwrite=overwrite,
         direct_io=direct_io, verify_checksums=verify_checksums, overlap=overlap))
-    stock_save, stock_load = manager.dcp_save, manager.dcp_load
-    manager.dcp_save = types.MethodType(
-        lambda self, *a, **k: _datastates_save(self, stock_save, *a, **k), manager)
-    manager.dcp_load = types.MethodType(
-        lambda self, *a, **k: _datastates_load(self, stock_load, *a, **k), manager)
+    # torchtitan has no hook for an existing manager's writer or reader (both releases make
+    # them inside dcp_save and dcp_load), so these two are set on the instance: the one patch
+    manager.dcp_save = functools.partial(_datastates_save, manager, manager.dcp_save)
+    manager.dcp_load = functools.partial(_datastates_load, manager, manager.dcp_load)
     return ds
 
-
-# -- torchtitan's releases: every difference the adapter meets, in one place ------------------
-@dataclass(frozen=True)
-class TorchtitanAPI:
-    """The torchtitan installed, and what differs between the releases this module supports.
-
-    * 0.3.x: Python configs. ``CheckpointManager.Config(...).build(dataloader=..., ...)`` makes
-      a manager (``CheckpointManager(config, *, dataloader=..., ...)``); a subclass overrides
-      the ``_save`` and ``_load`` hooks of ``BaseCheckpointManager``; the wait for the save in
-      flight is ``maybe_wait_for_saving()``.
-    * 0.2.x (``legacy``): one ``JobConfig`` parsed from a TOML file and the command line; its
-      ``checkpoint`` section (``torchtitan.config.Checkpoint``) goes to
-      ``CheckpointManager(..., checkpoint_config=...)``, which the trainer calls itself; a
-      subclass overrides ``save`` and ``load``; the wait is ``_async_wait()``.
-
-    ``dcp_save``, ``dcp_load``, the async modes, the step folders and the manager's attributes
-    the adapter reads are the same in both.
-    """
-
-    version: str | None = None
-    """torchtitan's version; None where it cannot be imported (see ``error``)."""
-
-    manager: type | None = None
-    """torchtitan's ``CheckpointManager``."""
-
-    config: type | None = None
-    """Its config class: ``CheckpointManager.Config`` (0.3.x), ``torchtitan.config.Checkpoint``
-    (0.2.x)."""
-
-    legacy: bool = False
-    """torchtitan 0.2.x."""
-
-    error: str | None = None
-    """Why torchtitan could not be imported."""
-
-    @property
-    def save_hook(self) -> str:
-        """The method a manager subclass overrides to change ``save``."""
-        return "save" if self.legacy else "_save"
-
-    @property
-    def load_hook(self) -> str:
-        """The method a manager subclass overrides to change ``load``."""
-        return "load" if self.legacy else "_load"
-
-    def config_class(self, manager_cls: type) -> type | None:
-        """The config class of ``manager_cls`` (torchtitan's manager or a subclass)."""
-        return getattr(manager_cls, "Config", None) or self.config
-
-    @property
-    def config_arg(self) -> str:
-        """The name of the manager constructor's config argument."""
-        return "checkpoint_config" if self.legacy else "config"
-
-    def build(self, manager_cls: type, config: Any, **kwargs: Any) -> Any:
-        """A manager of ``manager_cls`` from ``config`` and what torchtitan's trainer passes
-        (``dataloader=``, ``model_parts=``, ``optimizers=``, ``lr_schedulers=``, ``states=``,
-        ``sd_adapter=``, ``base_folder=``; ``engine=`` for :class:`DataStatesCheckpointManager`),
-        as 0.3's ``config.build(...)`` and 0.2.x's trainer make one."""
-        return manager_cls(**{self.config_arg: config}, **kwargs)
-
-    def config_of(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """The config among the arguments of a manager's constructor."""
-        if self.config_arg in kwargs:
-            return kwargs[self.config_arg]
-        manager: Any = self.manager  # torchtitan's class (no stubs)
-        bound = inspect.signature(manager.__init__).bind_partial(None, *args, **kwargs)
-        return bound.arguments[self.config_arg]
-
-    def containers(self, model_parts: list[Any], lr_lambda: Callable[[int], float],
-                   implementation: str = "for-loop", **adamw: Any) -> tuple[Any, Any]:
-        """torchtitan's own ``OptimizersContainer`` (AdamW with ``adamw``) over ``model_parts``
-        and its ``LRSchedulersContainer`` (``lr_lambda``), made as each release makes them: what
-        a manager saves besides the model, for code that drives one without a trainer."""
-        if self.legacy:
-            from torchtitan.components.lr_scheduler import LRSchedulersContainer
-            from torchtitan.components.optimizer import OptimizersContainer
-
-            flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
-                     "fused": {"fused": True}}[implementation]
-            optimizers = OptimizersContainer(model_parts, torch.optim.AdamW, {**adamw, **flags})
-        else:
-            from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-            from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-
-            optimizers = OptimizersContainer(
-                OptimizersContainer.Config(
-                    param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
-                                                   optimizer_kwargs=adamw)],
-                    implementation=implementation),
-                model_parts=model_parts)
-        return optimizers, LRSchedulersContainer(optimizers, lr_lambda)
-
-    def load_replica_state(self, manager: Any) -> None:
-        """Load a torchft replica's own state (0.2.x: its dataloader, saved apart in
-        ``ft-replicat-<r>`` and left out of the shared checkpoint), as torchtitan's load does
-        first."""
-        if self.legacy and getattr(manager, "enable_ft_dataloader_checkpoints", False):
-            manager._ft_load()
-
-    def wait_for_saving(self, manager: Any) -> None:
-        """Wait for the manager's save in flight as torchtitan does before the next save."""
-        if not getattr(manager, "enable", False):
-            return
-        if self.legacy:
-            manager._async_wait()
-        else:
-            manager.maybe_wait_for_saving()
-
-
-def _torchtitan() -> TorchtitanAPI:
-    try:
-        import torchtitan
-        from torchtitan.components.checkpoint import CheckpointManager
-    except ImportError as exc:  # not installed (or a dependency missing): enable_datastates works
-        return TorchtitanAPI(error=f"{type(exc).__name__}: {exc}")
-    version = str(getattr(torchtitan, "__version__", "unknown"))
-    if hasattr(CheckpointManager, "Config"):
-        return TorchtitanAPI(version, CheckpointManager, CheckpointManager.Config)
-    from torchtitan.config import Checkpoint
-
-    return TorchtitanAPI(version, CheckpointManager, Checkpoint, legacy=True)
-
-
-#: The torchtitan this process imports (:class:`TorchtitanAPI`).
-TORCHTITAN = _torchtitan()
 
 if TORCHTITAN.manager is not None:
     # torchtitan's classes, found at run time (as Any: a base class must be known statically)
@@ -703,10 +576,9 @@ if TORCHTITAN.manager is not None:
                 self.states[MODEL].load_state_dict(states)
             return True
 
-        if TORCHTITAN.legacy:  # 0.2.x: the public methods (its trainer calls no hooks)
-            save, load = _tier_save, _tier_load
-        else:  # 0.3.x: BaseCheckpointManager's hooks, behind its guards
-            _save, _load = _tier_save, _tier_load
+        # the methods this release's trainer calls to save and load (0.3: the hooks behind
+        # BaseCheckpointManager's guards; 0.2.x: save and load themselves)
+        locals()[TORCHTITAN.save_hook], locals()[TORCHTITAN.load_hook] = _tier_save, _tier_load
 
         def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
                      enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:

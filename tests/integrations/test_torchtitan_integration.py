@@ -55,6 +55,7 @@ from dcp_datastates.integrations.torchtitan import (  # noqa: E402
     TORCHTITAN,
     DataStates,
     DataStatesCheckpointManager,
+    TorchtitanAPI,
     enable_datastates,
     is_datastates_checkpoint,
 )
@@ -108,6 +109,19 @@ class Counter(Stateful):
         self.step = state_dict["step"]
 
 
+def config_class(manager_cls: type) -> type:
+    """The config class of ``manager_cls`` (0.2.x's CheckpointManager has none of its own)."""
+    return getattr(manager_cls, "Config", None) or TORCHTITAN.config
+
+
+def wait_for_saving(manager: CheckpointManager) -> None:
+    """Wait for the manager's save in flight as torchtitan does before the next save."""
+    if TORCHTITAN.legacy:
+        manager._async_wait()
+    else:
+        manager.maybe_wait_for_saving()
+
+
 def build(cls: type, folder: Path, config: object, **kwargs: object) -> CheckpointManager:
     """A manager of ``cls`` over ``folder`` (the trainer's other arguments: ``kwargs``)."""
     return TORCHTITAN.build(cls, config, sd_adapter=None, base_folder=str(folder), **kwargs)
@@ -132,7 +146,7 @@ class Run:
 
     def manager(self, folder: Path, mode: str, cls: type = CheckpointManager,
                 build_args: dict | None = None, **config: object) -> CheckpointManager:
-        cfg = TORCHTITAN.config_class(cls)(**{
+        cfg = config_class(cls)(**{
             "enable": True, "folder": "ckpt", "interval": 2, "async_mode": mode,
             "keep_latest_k": 0, "last_save_model_only": False, **config})
         return build(cls, folder, cfg, dataloader=self.dataloader, model_parts=[self.model],
@@ -362,7 +376,7 @@ def test_config_subclass_with_an_engine_and_pinned_mode(one_rank: None, tmp_path
 @pytest.mark.mpi_skip
 def test_disabled_manager_is_left_alone(one_rank: None, tmp_path: Path) -> None:
     run = Run(seed=0)
-    cfg = TORCHTITAN.config_class(CheckpointManager)(enable=False)
+    cfg = config_class(CheckpointManager)(enable=False)
     manager = build(CheckpointManager, tmp_path, cfg, dataloader=None, model_parts=[run.model],
                     optimizers=run.optimizers, lr_schedulers=run.lr_schedulers, states={})
     assert enable_datastates(manager) is None
@@ -384,10 +398,11 @@ def test_one_seam_knows_the_release(one_rank: None, tmp_path: Path) -> None:
     assert (TORCHTITAN.save_hook, TORCHTITAN.load_hook) == hooks
     for name in hooks:
         assert name in vars(DataStatesCheckpointManager), name
+    if not TORCHTITAN.legacy:  # 0.3's public methods keep their guards
+        assert not {"save", "load"} & set(vars(DataStatesCheckpointManager))
     assert issubclass(DataStatesCheckpointManager.Config, TORCHTITAN.config)
-    assert (TORCHTITAN.config_class(DataStatesCheckpointManager)
-            is DataStatesCheckpointManager.Config)
-    assert TORCHTITAN.config_class(CheckpointManager) is TORCHTITAN.config
+    with pytest.raises(ImportError, match="torchtitan cannot be imported: gone"):
+        TorchtitanAPI(error="gone").containers([], lambda step: 1.0)  # none installed
 
     run = Run(seed=0)
     plain = TORCHTITAN.config(enable=True, folder="plain", async_mode="async")
@@ -519,7 +534,7 @@ def test_memory_tier_full_skips_the_save_and_training_goes_on(one_rank: None, tm
         run.step(step, manager)
         saved = manager.save(step)
         assert saved == (step % 2 == 0) or TORCHTITAN.legacy  # 0.2.x's save returns None
-        TORCHTITAN.wait_for_saving(manager)  # no error: the save was skipped
+        wait_for_saving(manager)  # no error: the save was skipped
     run.step(6, manager)  # training goes on
     manager.close()  # no error either
     assert step_dirs(tmp_path) == []
@@ -608,7 +623,7 @@ def test_memory_tier_next_save_waits_for_no_memory_commit(one_rank: None, tmp_pa
             assert io.write_started.wait(HOLD_LIMIT / 2), "the memory commit never wrote"
             run.step(2, manager)
             manager.save(2)
-            TORCHTITAN.wait_for_saving(manager)
+            wait_for_saving(manager)
             assert not io.gate.is_set(), "a save waited for the previous memory commit"
             assert committed_steps(tiers.memory) == []
         finally:
