@@ -6,7 +6,11 @@ populating and pinning ``GiB`` of it, and counts the page faults, for each backi
 allows: 4 KiB tmpfs pages, tmpfs with transparent huge pages (a tmpfs mounted ``huge=always``,
 root), hugetlbfs pages (``memfd_create(MFD_HUGETLB)`` from pages reserved in
 ``vm.nr_hugepages``, root; the reservation is given back after), and anonymous memory with
-``MADV_HUGEPAGE`` (no file: for comparison). Standalone: needs cuda-python and a GPU only.
+``MADV_HUGEPAGE`` (no file: for comparison); for the tmpfs backings also with the pages made
+by another process first (``fallocate``: the trainer only maps and pins them). Meanwhile the
+main thread runs a training-like loop (a matmul and a synchronize) and the table gives the
+seconds it lost (its iterations' time beyond the same loop alone) and its longest iteration.
+Needs cuda-python, torch and a GPU.
 
     python benchmarks/probe_slot_pages.py [GiB]       # default 16
 """
@@ -20,11 +24,13 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
+import torch
 from cuda.bindings import runtime as rt
 
 GiB = 1 << 30
@@ -44,8 +50,9 @@ def faults() -> int:
 
 
 @contextmanager
-def tmpfs_file(nbytes: int, options: str | None) -> Iterator[int]:
-    """A file of ``nbytes`` on /dev/shm, or on a tmpfs mounted with ``options``."""
+def tmpfs_file(nbytes: int, options: str | None, made: bool = False) -> Iterator[int]:
+    """A file of ``nbytes`` on /dev/shm, or on a tmpfs mounted with ``options``; ``made``:
+    its pages allocated by another process first (``fallocate``)."""
     mnt = None
     if options is not None:
         mnt = tempfile.mkdtemp(prefix="probe_slot_")
@@ -54,6 +61,8 @@ def tmpfs_file(nbytes: int, options: str | None) -> Iterator[int]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
+        if made:
+            subprocess.run(["fallocate", "-l", str(nbytes), str(path)], check=True)
         yield fd
     finally:
         os.close(fd)
@@ -102,6 +111,28 @@ def make_slot(nbytes: int, fd: int | None, huge_anon: bool = False) -> dict[str,
             "unpin_s": unpinned - pinned, "faults": f1 - f0}
 
 
+def steps_while(work: Callable[[], dict[str, float]] | None, seconds: float = 2.0
+                ) -> tuple[list[float], dict[str, float]]:
+    """The main thread's iterations (a matmul, a synchronize) while ``work`` runs on a thread
+    (None: for ``seconds``), and what ``work`` returned."""
+    a = torch.randn(4096, 4096, device="cuda")
+    out: dict[str, float] = {}
+    thread = None
+    if work is not None:
+        thread = threading.Thread(target=lambda: out.update(work()))
+        thread.start()
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while (thread.is_alive() if thread is not None else time.perf_counter() < end):
+        start = time.perf_counter()
+        (a @ a).sum()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    if thread is not None:
+        thread.join()
+    return times, out
+
+
 def main() -> None:
     gib = float(sys.argv[1]) if len(sys.argv) > 1 else 16.0
     nbytes = int(gib * GiB) // HUGE * HUGE
@@ -111,6 +142,11 @@ def main() -> None:
     print(f"{gib:g} GiB; THP anon: "
           f"{Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()}; "
           f"THP shmem: {shmem.read_text().strip() if shmem.exists() else 'n/a'}")
+    steps_while(None, 1.0)  # warm
+    alone, _ = steps_while(None)
+    base = sorted(alone)[len(alone) // 2]
+    print(f"training-like step alone: median {base * 1e3:.2f} ms, longest "
+          f"{max(alone) * 1e3:.2f} ms")
     cases: list[tuple[str, Callable[[], dict[str, float]]]] = []
 
     def on_file(opener: Callable[[], AbstractContextManager[int]]
@@ -120,22 +156,31 @@ def main() -> None:
                 return make_slot(nbytes, fd)
         return run
 
+    huge = f"size={nbytes + HUGE},huge=always"
     cases.append(("tmpfs /dev/shm, 4 KiB", on_file(lambda: tmpfs_file(nbytes, None))))
-    cases.append(("tmpfs huge=always", on_file(
-        lambda: tmpfs_file(nbytes, f"size={nbytes + HUGE},huge=always"))))
+    cases.append(("tmpfs /dev/shm, 4 KiB, made by another process",
+                  on_file(lambda: tmpfs_file(nbytes, None, made=True))))
+    cases.append(("tmpfs huge=always", on_file(lambda: tmpfs_file(nbytes, huge))))
+    cases.append(("tmpfs huge=always, made by another process",
+                  on_file(lambda: tmpfs_file(nbytes, huge, made=True))))
     cases.append(("hugetlbfs 2 MiB (memfd)", on_file(lambda: hugetlb_file(nbytes))))
     cases.append(("anonymous, 4 KiB", lambda: make_slot(nbytes, None)))
     cases.append(("anonymous, MADV_HUGEPAGE", lambda: make_slot(nbytes, None, True)))
-    print("| backing | populate s | GiB/s | pin s | unpin s | page faults |")
-    print("|---|--:|--:|--:|--:|--:|")
+    print("| backing | populate s | GiB/s | pin s | unpin s | page faults "
+          "| training s lost | longest step ms |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|")
     for name, run in cases:
         try:
-            r = run()
+            times, r = steps_while(run)
+            if not r:
+                raise RuntimeError("the slot was not made (its thread failed)")
         except Exception as exc:  # noqa: BLE001 - a backing this host does not allow
-            print(f"| {name} | not allowed here: {exc} |||||")
+            print(f"| {name} | not allowed here: {exc} |||||||")
             continue
+        lost = sum(times) - len(times) * base
         print(f"| {name} | {r['populate_s']:.2f} | {gib / r['populate_s']:.1f} | "
-              f"{r['pin_s']:.2f} | {r['unpin_s']:.2f} | {r['faults']:.0f} |", flush=True)
+              f"{r['pin_s']:.2f} | {r['unpin_s']:.2f} | {r['faults']:.0f} | "
+              f"{lost:.2f} | {max(times) * 1e3:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
