@@ -119,15 +119,15 @@ class MemorySaver:
         does not, the free slots go first (a spare: none is made from then on), then steps
         the durable tier holds leave the memory tiers, as many as it takes, if that is
         enough. Where the tier is short, the room is counted again once the slots being
-        made are (they move the tier's pages between its free space and themselves)."""
+        sized are (they move the tier's pages between its free space and themselves)."""
         need, free = self._shortfall(nbytes, slot)
         if need > free and self.slots is not None:
             self.slots.release_free()  # the free slots (a spare) give way
-            self.slots.wait_readied()
+            self.slots.wait_sized()
             need, free = self._shortfall(nbytes, slot)
         if need > free and self.retention.make_room(need - free):
             if self.slots is not None:
-                self.slots.wait_readied()
+                self.slots.wait_sized()
             need, free = self._shortfall(nbytes, slot)
         if need > free:
             raise TierFullError(

@@ -73,7 +73,7 @@ SLOT_DIR_PREFIX = ".slots."
 #: Free slots the pool keeps sized and pinned ahead of the next save once the rotation is
 #: made (``prepare()`` makes the rotation's slots, as many as the tier has room for).
 SPARE = 1
-#: how long a save that found the tier short waits for the slots being made (wait_readied)
+#: how long a save that found the tier short waits for the slots being sized (wait_sized)
 READY_WAIT_S = 60.0
 #: Header room of a slot: this much, plus ``ENTRY_BYTES`` per tensor (an entry, its alignment
 #: pad's and its share of the bytes items'; a header that outgrows it raises the pool's room).
@@ -283,6 +283,7 @@ class SlotPool:
         self._sizing = True  # the pool's thread sizes free slots (False once the tier had no room)
         self._spares = SPARE  # 0 once the tier had no room for them (release_free)
         self._doomed: set[Slot] = set()  # being readied, to be removed then (release_free)
+        self._fitting: set[Slot] = set()  # being sized: taking the tier's pages
         make_private(self.directory)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
@@ -511,11 +512,17 @@ class SlotPool:
                 return False
             self._free.remove(slot)
             self._readying.append(slot)
+            self._fitting.add(slot)
             want = self._want if self._sizing else None
         try:
             start = time.perf_counter()
-            if want is not None and not slot.sized_for(*want):
-                slot.fit(*want)
+            try:
+                if want is not None and not slot.sized_for(*want):
+                    slot.fit(*want)
+            finally:
+                with self._lock:
+                    self._fitting.discard(slot)
+                    self._readied.notify_all()
             sized = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - no room on the tier (ENOSPC): no caller
             log.warning("dcp_datastates: %s not made (%s): the memory tier has no room for "
@@ -590,7 +597,7 @@ class SlotPool:
     def release_free(self) -> int:
         """A save does not fit on the tier: remove the free slots that no waiting save is
         to get, and make no more spares; return how many go. One being sized goes once the
-        pool's thread is done with it (not pinned; :meth:`wait_readied` waits for that)."""
+        pool's thread is done with it (not pinned; :meth:`wait_sized` waits for that)."""
         with self._lock:
             self._spares = self._rotation = 0
             unowed = self._spare_slots()
@@ -609,12 +616,13 @@ class SlotPool:
                      self.directory.parent, len(slots) + len(doomed))
         return len(slots) + len(doomed)
 
-    def wait_readied(self) -> None:
-        """Wait until no slot is being sized or pinned, nor given up and not yet gone: the
-        tier's pages stop moving between its free space and the slots (a save that found
-        the tier short counts its room again after; bounded, logged if it runs out)."""
+    def wait_sized(self) -> None:
+        """Wait until no slot is being sized, nor given up and not yet gone: the tier's pages
+        stop moving between its free space and the slots (a save that found the tier short
+        counts its room again after; pinning, which moves none, is not waited for; bounded,
+        logged if it runs out)."""
         with self._lock:
-            if not self._readied.wait_for(lambda: not (self._readying or self._doomed),
+            if not self._readied.wait_for(lambda: not (self._fitting or self._doomed),
                                           timeout=READY_WAIT_S):
                 log.warning("dcp_datastates: the memory-tier slots in %s were still being "
                             "made after %.0f s", self.directory, READY_WAIT_S)

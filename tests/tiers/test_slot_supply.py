@@ -152,6 +152,26 @@ def test_a_waiting_save_counts_a_steps_slot_only_while_a_save_may_free_it(
         pool.close()
 
 
+def test_a_short_tier_waits_for_slots_being_sized_not_pinned(memory: Path) -> None:
+    """A save that found the tier short counts its room again once the slots being sized are
+    (their pages move between the tier's free space and the slot), not once they are pinned
+    (seconds on a GPU host, and no page moves): the pinning held, ``wait_sized`` returns."""
+    engine = HeldPinEngine(io_backend="threads", host_cache_size="8MiB", io_workers=2)
+    pool = SlotPool(engine, memory, 1)
+    try:
+        pool.prepare(MiB, 4)
+        assert engine.pinning.wait(10), "the pool's thread never pinned the slot"
+        waited = threading.Thread(target=pool.wait_sized, daemon=True)
+        waited.start()
+        waited.join(10)
+        assert not waited.is_alive(), "a short tier's save waited for a slot being pinned"
+        assert engine.pinned == 0  # still held
+    finally:
+        engine.gate.set()
+        pool.close()
+        engine.close()
+
+
 def test_a_save_that_comes_while_its_slot_is_pinned_does_not_wait_for_it(
         tiers: Tiers) -> None:
     """``memory_limit`` holds two states (keep_memory=1: the kept step and the one being
