@@ -133,7 +133,8 @@ _EXPORT_CHILD = textwrap.dedent(
     import sys, threading
     sys.path.insert(0, {tests!r})
     from helpers.fakes import FaultyBackend
-    from dcp_datastates import Engine, cli
+    from dcp_datastates import Engine
+    from dcp_datastates import _cli as cli
     from dcp_datastates._io import ThreadPoolBackend
 
     ckpt, out, reads = sys.argv[1], sys.argv[2], int(sys.argv[3])
