@@ -35,9 +35,9 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
 from dcp_datastates import DataStatesReader, DataStatesWriter, default_engine
-from dcp_datastates.format import checksums
-from dcp_datastates.io import UringBackend
-from dcp_datastates.io.uring import shim_path
+from dcp_datastates._format import checksums
+from dcp_datastates._io import UringBackend
+from dcp_datastates._io.uring import shim_path
 
 pkg = Path(dcp_datastates.__file__).resolve().parent
 assert pkg == Path(sys.argv[1]).resolve(), f"dcp_datastates imported from {pkg}, not {sys.argv[1]}"
@@ -87,7 +87,7 @@ sdist, wheel = sys.argv[1:]
 names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
 for need in ("CMakeLists.txt", "pyproject.toml", "native/dcp_uring.c", "native/dcp_uring.h",
              "native/dcp_hash.c",
-             "dcp_datastates/__init__.py", "dcp_datastates/io/uring.py"):
+             "dcp_datastates/__init__.py", "dcp_datastates/_io/uring.py"):
     assert need in names, f"sdist lacks {need}"
 bad = [n for n in names if re.match(r"(build|dist|\.venv|benchmarks/out|dcp_datastates/_lib)/", n)]
 assert not bad, f"sdist holds build outputs: {bad[:5]}"

@@ -41,20 +41,20 @@ from harness.timing import median, sync
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.sizes import format_size
+from dcp_datastates._sizes import format_size
 
 #: Phases traced: name -> (module, qualified name of the function whose call spans it); a
 #: name may be there twice (a function renamed: either is traced, so older trees compare).
 WATCHED = [
-    ("dcp_save", "dcp_datastates.tiers.local_dcp", "save"),
-    ("write_data", "dcp_datastates.jobs.flush", "write_data_file"),
-    ("checksum_wait", "dcp_datastates.jobs.flush", "_Sums.result"),
-    ("file_finish", "dcp_datastates.io.file_writer", "DataFile.finish"),
-    ("commit", "dcp_datastates.jobs.commit", "commit"),
-    ("write_metadata", "dcp_datastates.format.metadata_file", "write_metadata"),
-    ("after_commit", "dcp_datastates.tiers.memory_save", "MemorySaver.after_commit"),
-    ("hash", "dcp_datastates.jobs.flush", "_sum_pieces"),
-    ("hash", "dcp_datastates.jobs.flush", "_sum_batch"),
+    ("dcp_save", "dcp_datastates.tiers._local_dcp", "save"),
+    ("write_data", "dcp_datastates._jobs.flush", "write_data_file"),
+    ("checksum_wait", "dcp_datastates._jobs.flush", "_Sums.result"),
+    ("file_finish", "dcp_datastates._io.file_writer", "DataFile.finish"),
+    ("commit", "dcp_datastates._jobs.commit", "commit"),
+    ("write_metadata", "dcp_datastates._format.metadata_file", "write_metadata"),
+    ("after_commit", "dcp_datastates.tiers._memory_save", "MemorySaver.after_commit"),
+    ("hash", "dcp_datastates._jobs.flush", "_sum_pieces"),
+    ("hash", "dcp_datastates._jobs.flush", "_sum_batch"),
 ]
 #: Phases shown: name -> how it is read from one save's spans (``None``: not traced).
 PHASES: dict[str, Callable[[dict, float], float | None]] = {

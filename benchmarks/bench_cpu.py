@@ -29,7 +29,7 @@ from harness.timing import median, prewarm, rotated, timed
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, parse_size
-from dcp_datastates.sizes import format_size
+from dcp_datastates._sizes import format_size
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 SIDES = ("dcp", "ours")

@@ -31,7 +31,7 @@ from harness.timing import median, timed
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
-from dcp_datastates.sizes import format_size, parse_size
+from dcp_datastates._sizes import format_size, parse_size
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")

@@ -32,7 +32,7 @@ from harness.timing import DoneAt, median, rotated, sync, timed
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, parse_size
-from dcp_datastates.sizes import format_size
+from dcp_datastates._sizes import format_size
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 VARIANTS = {

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
-from dcp_datastates.sizes import format_size
+from dcp_datastates._sizes import format_size
 
 SIDES = {"dcp": "dcp.save FileSystemWriter", "ours": "async_save DataStatesWriter"}
 METRICS = {"block_s": "block", "snapshot_s": "snapshot", "durable_s": "durable",

@@ -48,7 +48,7 @@ from harness.training.modes import MODES, Context, tier_dirs
 from harness.training.report import ms, params, plot, summarize, tables
 from harness.training.restore import READERS, cold_load, restarts, resume_child
 
-from dcp_datastates.sizes import format_size
+from dcp_datastates._sizes import format_size
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")

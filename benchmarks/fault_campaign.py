@@ -83,7 +83,8 @@ from helpers.tiers import make_state, steps_in  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from dcp_datastates import CheckpointManager, DataStatesWriter, Engine, cli  # noqa: E402
+from dcp_datastates import CheckpointManager, DataStatesWriter, Engine  # noqa: E402
+from dcp_datastates import _cli as cli  # noqa: E402
 from dcp_datastates.errors import TierFullError  # noqa: E402
 
 MiB = 1 << 20

@@ -18,8 +18,8 @@ import time
 import torch
 from cuda.bindings import runtime as rt
 
-from dcp_datastates.cuda import cuda_copy
-from dcp_datastates.cuda.cuda_copy import CudaCopier
+from dcp_datastates._cuda import cuda_copy
+from dcp_datastates._cuda.cuda_copy import CudaCopier
 
 GiB = 1 << 30
 

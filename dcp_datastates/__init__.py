@@ -4,7 +4,11 @@ Lazy host snapshots into a reusable host cache, flushed to safetensors files thr
 (or a thread pool where io_uring cannot be used), and restored on the same path backwards.
 """
 
-from .engine import Engine, default_engine
+from ._engine import Engine, default_engine
+from ._guard import guard
+from ._reader import DataStatesReader
+from ._sizes import parse_size
+from ._writer import DataStatesWriter
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -15,11 +19,7 @@ from .errors import (
     UringUnavailable,
     WorldSizeChangedError,
 )
-from .guard import guard
-from .reader import DataStatesReader
-from .sizes import parse_size
 from .tiers import CheckpointManager
-from .writer import DataStatesWriter
 
 __all__ = [
     "CheckpointCorruptError",

@@ -1,8 +1,8 @@
-"""``python -m dcp_datastates``: see :mod:`dcp_datastates.cli`."""
+"""``python -m dcp_datastates``: see :mod:`dcp_datastates._cli`."""
 
 import sys
 
-from .cli import main
+from ._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

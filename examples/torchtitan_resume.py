@@ -41,8 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchtitan_train import MODES, committed_steps  # noqa: E402
 
-from dcp_datastates.tiers.replica import replica_root  # noqa: E402
-from dcp_datastates.tiers.steps import committed_steps as tier_steps  # noqa: E402
+from dcp_datastates.tiers._replica import replica_root  # noqa: E402
+from dcp_datastates.tiers._steps import committed_steps as tier_steps  # noqa: E402
 
 TRAIN = Path(__file__).with_name("torchtitan_train.py")
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time_s (\S+)$")

@@ -45,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -75,17 +76,19 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
+#: A step's folder in torchtitan's checkpoint folder.
+TITAN_STEP = re.compile(r"^step-(\d+)$")
+
+
 def committed_steps(folder: Path) -> set[int]:
     """Steps of torchtitan's checkpoint ``folder`` (``step-<N>``) with a committed
     ``.metadata`` (the adapter's module is not imported: it imports torchtitan, seconds that
     a kill-and-restart check waiting on this cannot spare)."""
-    from dcp_datastates.tiers.steps import PREFIXES
-
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
         return set()
-    return {int(m.group(1)) for name in names if (m := PREFIXES["step-"].match(name))
+    return {int(m.group(1)) for name in names if (m := TITAN_STEP.match(name))
             and (folder / name / ".metadata").is_file()}
 
 

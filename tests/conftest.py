@@ -13,7 +13,7 @@ from helpers import BACKENDS, Tiers, require_backend, split_engine_args
 from helpers.fakes import FaultyBackend, HeldSettles
 
 from dcp_datastates import DataStatesWriter, Engine
-from dcp_datastates.io import make_backend
+from dcp_datastates._io import make_backend
 
 
 @pytest.fixture

@@ -44,14 +44,14 @@ def test_every_test_file_has_its_row_in_the_tests_readme() -> None:
 #: The package's floors, lowest first, as docs/ARCHITECTURE.md draws them: by folder, or by
 #: module at the top level ("__init__" is the package itself).
 FLOORS = [
-    {"errors", "sizes", "arguments", "renamed", "dcp_frames"},
-    {"format"},
-    {"memory", "cuda", "io", "workers"},
-    {"engine", "stats", "mismatch"},
-    {"jobs"},
-    {"writer", "reader", "guard"},
+    {"errors", "_sizes", "_arguments", "_renamed", "_dcp_frames"},
+    {"_format"},
+    {"_memory", "_cuda", "_io", "_workers"},
+    {"_engine", "_stats", "_mismatch"},
+    {"_jobs"},
+    {"_writer", "_reader", "_guard"},
     {"tiers"},
-    {"cli", "integrations", "__main__", "__init__"},
+    {"_cli", "integrations", "__main__", "__init__"},
 ]
 
 
@@ -149,14 +149,14 @@ def _floor(module: str) -> int:
 
 
 def test_the_import_graph_counts_imports_in_functions_and_lazy_ones() -> None:
-    source = ("import os\nimport importlib\ndef f():\n    from ..tiers import slots\n"
-              "    importlib.import_module('dcp_datastates.cli.verify')\n"
-              "    return __import__('dcp_datastates.writer')\n")
-    modules = {"dcp_datastates", "dcp_datastates.jobs", "dcp_datastates.jobs.save",
-               "dcp_datastates.tiers", "dcp_datastates.tiers.slots", "dcp_datastates.cli",
-               "dcp_datastates.cli.verify", "dcp_datastates.writer"}
-    assert _deps(source, "dcp_datastates.jobs.save", False, modules) == {
-        "dcp_datastates.tiers.slots", "dcp_datastates.cli.verify", "dcp_datastates.writer"}
+    source = ("import os\nimport importlib\ndef f():\n    from ..tiers import _slots\n"
+              "    importlib.import_module('dcp_datastates._cli.verify')\n"
+              "    return __import__('dcp_datastates._writer')\n")
+    modules = {"dcp_datastates", "dcp_datastates._jobs", "dcp_datastates._jobs.save",
+               "dcp_datastates.tiers", "dcp_datastates.tiers._slots", "dcp_datastates._cli",
+               "dcp_datastates._cli.verify", "dcp_datastates._writer"}
+    assert _deps(source, "dcp_datastates._jobs.save", False, modules) == {
+        "dcp_datastates.tiers._slots", "dcp_datastates._cli.verify", "dcp_datastates._writer"}
 
 
 def test_every_circle_is_found() -> None:
@@ -183,24 +183,24 @@ def test_every_module_is_on_a_floor_and_imports_none_above() -> None:
 #: implements ("protocol <- class", under the package), and why. No import goes up, but these
 #: calls do; a new one fails until it is listed here with its reason.
 CALLBACKS_UP = {
-    "engine.Work <- jobs.load.LoadJob": "the engine's close() waits for the loads in progress "
+    "_engine.Work <- _jobs.load.LoadJob": "the engine's close() waits for the loads in progress "
                                         "and ends them: it frees what they read into",
-    "engine.Work <- jobs.ordering.SaveOrder": "the same for the saves in progress",
-    "engine.Work <- tiers.unclosed.Unclosed": "the same for a manager not closed",
-    "engine.Saves <- jobs.ordering.SaveOrder": "one save order per engine, shared by its "
+    "_engine.Work <- _jobs.ordering.SaveOrder": "the same for the saves in progress",
+    "_engine.Work <- tiers._unclosed.Unclosed": "the same for a manager not closed",
+    "_engine.Saves <- _jobs.ordering.SaveOrder": "one save order per engine, shared by its "
                                                "writers: the engine's order_after_staging (the "
                                                "guard's wait) asks it",
-    "guard.SnapshotSource <- tiers.manager.CheckpointManager": "guard(optimizer, source="
+    "_guard.SnapshotSource <- tiers._manager.CheckpointManager": "guard(optimizer, source="
                                                                "manager): the manager counts "
                                                                "the guard's waits in its budget",
-    "jobs.load.ItemSink <- cli.reads.Planner": "the load job hands items to DCP's load planner, "
+    "_jobs.load.ItemSink <- _cli.reads.Planner": "the load job hands items to DCP's load planner, "
                                                "or to the commands' stand-in for one",
-    "jobs.snapshot.SnapshotTarget <- tiers.slots.Slot": "a managed save goes tiers -> writer -> "
+    "_jobs.snapshot.SnapshotTarget <- tiers._slots.Slot": "a managed save goes tiers -> writer -> "
                                                         "jobs, whose snapshot goes back into "
                                                         "the tier's slot (issue 50: an explicit "
                                                         "save job that the manager calls would "
                                                         "take the slot as an argument)",
-    "jobs.snapshot.SnapshotTarget <- tiers.slots.NextSlot": "the same, for a slot to come free",
+    "_jobs.snapshot.SnapshotTarget <- tiers._slots.NextSlot": "the same, for a slot to come free",
 }
 
 
@@ -272,14 +272,14 @@ def test_every_exception_is_in_errors_under_one_base() -> None:
     assert issubclass(errors.UringUnavailable, RuntimeError)
 
 
-#: What reads a call stack: DCP's frames are read in dcp_frames.py alone (issue 50).
+#: What reads a call stack: DCP's frames are read in _dcp_frames.py alone (issue 50).
 FRAME_READS = re.compile(r"\b(_getframe|_current_frames|currentframe|f_locals|f_back|tb_frame)\b"
                          r"|inspect\.(stack|trace)\b")
 
 
 def test_only_dcp_frames_reads_the_call_stack() -> None:
     found = sorted(f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-                   for path in PACKAGE.rglob("*.py") if path.name != "dcp_frames.py"
+                   for path in PACKAGE.rglob("*.py") if path.name != "_dcp_frames.py"
                    for number, line in enumerate(path.read_text().splitlines(), 1)
                    if FRAME_READS.search(line))
-    assert not found, "call-stack reads outside dcp_datastates/dcp_frames.py:\n" + "\n".join(found)
+    assert not found, "call-stack reads outside dcp_datastates/_dcp_frames.py:\n" + "\n".join(found)

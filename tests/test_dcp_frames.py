@@ -1,4 +1,4 @@
-"""The DCP frames the package reads (``dcp_datastates/dcp_frames.py``) are still there on the
+"""The DCP frames the package reads (``dcp_datastates/_dcp_frames.py``) are still there on the
 installed torch: each DCP function still exists, still has the locals read from it, and still
 makes the call through which its frame is reached. A torch release that changes one fails
 here (CI runs the suite on each supported torch)."""
@@ -9,8 +9,8 @@ from types import CodeType
 
 import pytest
 
-from dcp_datastates import dcp_frames
-from dcp_datastates.dcp_frames import DCP_DIR, Where, dcp_code, dcp_locals
+from dcp_datastates import _dcp_frames as dcp_frames
+from dcp_datastates._dcp_frames import DCP_DIR, Where, dcp_code, dcp_locals
 
 #: Each read, by its name in dcp_frames, and the call (of our writer or reader, or the
 #: unpickling) made in its DCP function or in one nested in it.

@@ -36,8 +36,8 @@ from dcp_datastates import (
     DataStatesWriter,
     Engine,
 )
+from dcp_datastates._jobs.save import new_save_job
 from dcp_datastates.errors import StateDictMismatchError
-from dcp_datastates.jobs.save import new_save_job
 
 HINT = "storage_reader=dcp_datastates.DataStatesReader()"
 

@@ -15,7 +15,7 @@ from helpers.fakes import HeldSettles
 from helpers.tiers import make_state
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.renamed import Renamed
+from dcp_datastates._renamed import Renamed
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The modules whose ``__all__`` is public (docs/usage.md, "Public names").
@@ -24,7 +24,7 @@ PUBLIC_MODULES = ["dcp_datastates", "dcp_datastates.tiers",
 #: Internal names the docs mention, and why.
 DOCUMENTED_INTERNALS = {
     "dcp_datastates.errors": "where the exceptions live; dcp_datastates exports every one",
-    "dcp_datastates.io.IOBackend": "the protocol of an io_backend= object (a test seam)",
+    "dcp_datastates._io.IOBackend": "the protocol of an io_backend= object (a test seam)",
 }
 
 
@@ -72,6 +72,40 @@ def test_the_docs_name_no_internal_module_or_name() -> None:
         for module, names in re.findall(r"from (dcp_datastates[\w.]*) import ([\w, ]+)", text):
             found |= {module} | {f"{module}.{n.strip()}" for n in names.split(",")}
     assert sorted(found - public - set(DOCUMENTED_INTERNALS)) == []
+
+
+#: The example files that import a private module, and why.
+PRIVATE_IMPORTS_IN_EXAMPLES = {
+    "torchtitan_resume.py": "the resume check reads which steps each rank's memory tier and "
+                            "its replicas hold (tiers._steps, tiers._replica) without a manager",
+}
+
+
+def _private_imports(text: str) -> set[str]:
+    """The private modules (a part named ``_...``) that ``text``'s imports name."""
+    found = set()
+    for module, names in re.findall(r"^\s*from (dcp_datastates[\w.]*) import \(?([\w, ]+)",
+                                    text, re.M):
+        found |= {module} | {f"{module}.{n.split(' as ')[0].strip()}" for n in names.split(",")}
+    found |= set(re.findall(r"^\s*import (dcp_datastates[\w.]*)", text, re.M))
+    found |= set(re.findall(r"import_module\([\"'](dcp_datastates[\w.]*)", text))
+    return {m for m in found if any(p.startswith("_") for p in m.split(".")[1:])}
+
+
+def test_the_docs_and_examples_import_no_private_module() -> None:
+    """Tests import private modules (``dcp_datastates._format...``, ``tiers._slots``): the one
+    test seam; README.md, docs/ and examples/ import only what ``__all__`` exports."""
+    assert _private_imports("from dcp_datastates import Engine, _cli as cli\n"
+                            "import dcp_datastates.tiers._slots\n") == {
+        "dcp_datastates._cli", "dcp_datastates.tiers._slots"}
+    found = {}
+    for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                 *(ROOT / "examples").glob("*.py")]:
+        if path.name not in PRIVATE_IMPORTS_IN_EXAMPLES and _private_imports(path.read_text()):
+            found[path.relative_to(ROOT).as_posix()] = sorted(_private_imports(path.read_text()))
+    assert found == {}
+    for name in PRIVATE_IMPORTS_IN_EXAMPLES:  # an exception that is no longer needed goes
+        assert _private_imports((ROOT / "examples" / name).read_text()), name
 
 
 # -- renamed names ---------------------------------------------------------------------------------

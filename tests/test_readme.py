@@ -109,7 +109,7 @@ AFTER = {
     "tiers": "torch.save(model.state_dict(), 'final.pt')\nprint('start', start)\n",
     "errors": "assert [type(e).__name__ for e in errors] == ['StateDictMismatchError'], errors\n",
     "tiers-options": textwrap.dedent("""\
-        from dcp_datastates.tiers.steps import committed_steps
+        from dcp_datastates.tiers._steps import committed_steps
         assert committed_steps(Path("durable"))[-1] == 20, committed_steps(Path("durable"))
         import shutil; shutil.rmtree(manager.memory.parent)
         """),

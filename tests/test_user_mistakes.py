@@ -31,11 +31,13 @@ from dcp_datastates import (
     DataStatesReader,
     DataStatesWriter,
     Engine,
-    cli,
 )
-from dcp_datastates.format.directory import DirectoryClaim
-from dcp_datastates.tiers.manager import _default_memory_dir
-from dcp_datastates.tiers.steps import RECORD_NAME, TierRecord, committed_steps, steps
+from dcp_datastates import (
+    _cli as cli,
+)
+from dcp_datastates._format.directory import DirectoryClaim
+from dcp_datastates.tiers._manager import _default_memory_dir
+from dcp_datastates.tiers._steps import RECORD_NAME, TierRecord, committed_steps, steps
 
 pytestmark = MARKS
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +108,7 @@ def test_slow_save_on_an_engine_never_closed_finishes_at_exit(tmp_path: Path) ->
     are still flushing when the script ends; both are committed."""
     run_script(tmp_path, """
         from helpers.fakes import FaultyBackend
-        from dcp_datastates.io import ThreadPoolBackend
+        from dcp_datastates._io import ThreadPoolBackend
         engine = Engine(host_cache_size="64MiB",
                         io_backend=FaultyBackend(ThreadPoolBackend(), delay_s=0.3))
         for i in (1, 2):
@@ -120,7 +122,7 @@ def test_slow_save_on_an_engine_never_closed_finishes_at_exit(tmp_path: Path) ->
 def test_a_save_that_fails_at_exit_says_so_and_keeps_the_old_checkpoint(tmp_path: Path) -> None:
     proc = run_script(tmp_path, """
         from helpers.fakes import FaultyBackend
-        from dcp_datastates.io import ThreadPoolBackend
+        from dcp_datastates._io import ThreadPoolBackend
         dcp.save(state(1), checkpoint_id=sys.argv[1], storage_writer=DataStatesWriter())
         failing = Engine(io_backend=FaultyBackend(ThreadPoolBackend(), fail_write_after=0))
         dcp.async_save(state(2), checkpoint_id=sys.argv[1],

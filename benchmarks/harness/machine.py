@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from dcp_datastates.sizes import format_size
+from dcp_datastates._sizes import format_size
 
 
 def fstype(path: Path) -> str:

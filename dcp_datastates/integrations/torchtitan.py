@@ -93,15 +93,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.utils.hooks import RemovableHandle
 
-from ..engine import Engine, default_engine
+from .._engine import Engine, default_engine
+from .._format.directory import DATA_FILE_RE
+from .._guard import guard
+from .._reader import DataStatesReader
+from .._stats import SaveStats
+from .._writer import DataStatesWriter
 from ..errors import TierFullError, WorldSizeChangedError
-from ..format.directory import DATA_FILE_RE
-from ..guard import guard
-from ..reader import DataStatesReader
-from ..stats import SaveStats
 from ..tiers import CheckpointManager as TierManager
-from ..tiers.steps import name_steps, step_dir
-from ..writer import DataStatesWriter
+from ..tiers._steps import name_steps, step_dir
 from ._torchtitan_releases import TORCHTITAN, TorchtitanAPI
 
 log = logging.getLogger("dcp_datastates")

@@ -1,7 +1,7 @@
 """Checkpoint tiers: node memory, durable storage, peer replicas, and the manager over them."""
 
 from ..errors import TierFullError  # where the tiers' users imported it from
-from .handles import SaveFigures, SaveHandle
-from .manager import CheckpointManager
+from ._handles import SaveFigures, SaveHandle
+from ._manager import CheckpointManager
 
 __all__ = ["CheckpointManager", "SaveFigures", "SaveHandle", "TierFullError"]

@@ -27,17 +27,18 @@ from helpers.fakes import FaultyBackend
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter, Engine, cli
-from dcp_datastates.cli.checkpoint import load_checkpoint
-from dcp_datastates.cli.export import ENTRY_NAMES, EXPORT_NAMES
-from dcp_datastates.cli.headers import check_file
-from dcp_datastates.cli.inspect import inspect_data
-from dcp_datastates.cli.output import OutputDir
-from dcp_datastates.cli.progress import Progress
-from dcp_datastates.cli.reads import chunk_reads
-from dcp_datastates.cli.verify import ChunkCheck
-from dcp_datastates.format.metadata_file import read_metadata, write_metadata
-from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter, Engine
+from dcp_datastates import _cli as cli
+from dcp_datastates._cli.checkpoint import load_checkpoint
+from dcp_datastates._cli.export import ENTRY_NAMES, EXPORT_NAMES
+from dcp_datastates._cli.headers import check_file
+from dcp_datastates._cli.inspect import inspect_data
+from dcp_datastates._cli.output import OutputDir
+from dcp_datastates._cli.progress import Progress
+from dcp_datastates._cli.reads import chunk_reads
+from dcp_datastates._cli.verify import ChunkCheck
+from dcp_datastates._format.metadata_file import read_metadata, write_metadata
+from dcp_datastates._io import ThreadPoolBackend
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -326,7 +327,7 @@ class _NoNumpy(importlib.abc.MetaPathFinder):
         if name.partition(".")[0] == "numpy":
             raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
 sys.meta_path.insert(0, _NoNumpy())
-from dcp_datastates.cli import main
+from dcp_datastates._cli import main
 code = main(sys.argv[1:])
 assert "numpy" not in sys.modules
 sys.exit(code)

@@ -15,8 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import MARKS, assert_state_equal, rand_tensor
 
-from dcp_datastates import DataStatesWriter, Engine, cli
-from dcp_datastates.format.metadata_file import read_metadata
+from dcp_datastates import DataStatesWriter, Engine
+from dcp_datastates import _cli as cli
+from dcp_datastates._format.metadata_file import read_metadata
 
 pytestmark = MARKS
 

@@ -10,8 +10,8 @@ import torch
 import xxhash
 from helpers import MARKS
 
+from dcp_datastates._format import checksums
 from dcp_datastates.errors import CheckpointCorruptError
-from dcp_datastates.format import checksums
 
 pytestmark = MARKS
 BLOCK = 1 << 16

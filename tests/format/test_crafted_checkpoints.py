@@ -38,9 +38,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_datastates import CheckpointCorruptError, DataStatesReader, cli
-from dcp_datastates.format.align import ALIGN
-from dcp_datastates.format.data_file import (
+from dcp_datastates import CheckpointCorruptError, DataStatesReader
+from dcp_datastates import _cli as cli
+from dcp_datastates._format.align import ALIGN
+from dcp_datastates._format.data_file import (
     LARGE_ITEM_BYTES,
     MAX_HEADER_BYTES,
     PAD_PREFIX,
@@ -49,9 +50,9 @@ from dcp_datastates.format.data_file import (
     plan_layout,
     read_header,
 )
-from dcp_datastates.format.directory import LOCK_NAME
-from dcp_datastates.format.entries import tiling_problem
-from dcp_datastates.format.metadata_file import read_metadata, write_metadata
+from dcp_datastates._format.directory import LOCK_NAME
+from dcp_datastates._format.entries import tiling_problem
+from dcp_datastates._format.metadata_file import read_metadata, write_metadata
 
 pytestmark = MARKS
 

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import CheckpointCorruptError, CheckpointError
-from dcp_datastates.format.directory import LOCK_NAME
-from dcp_datastates.format.metadata_file import read_metadata, write_metadata
+from dcp_datastates._format.directory import LOCK_NAME
+from dcp_datastates._format.metadata_file import read_metadata, write_metadata
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dcp_datastates import CheckpointCorruptError
-from dcp_datastates.format.data_file import (
+from dcp_datastates._format.data_file import (
     LARGE_ITEM_BYTES,
     PAD_PREFIX,
     ItemSpec,

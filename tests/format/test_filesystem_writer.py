@@ -16,10 +16,11 @@ import torch.multiprocessing as mp
 from helpers import MARKS, assert_state_equal, blank_like, clone_state, raises_in_dcp, rand_tensor
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dcp_datastates import CheckpointCorruptError, CheckpointError, DataStatesReader, cli
-from dcp_datastates.cli.inspect import inspect_data
+from dcp_datastates import CheckpointCorruptError, CheckpointError, DataStatesReader
+from dcp_datastates import _cli as cli
+from dcp_datastates._cli.inspect import inspect_data
+from dcp_datastates._format.metadata_file import FileSystemWriterLocation, read_metadata
 from dcp_datastates.errors import StateDictMismatchError
-from dcp_datastates.format.metadata_file import FileSystemWriterLocation, read_metadata
 
 pytestmark = MARKS
 

@@ -16,8 +16,9 @@ import torch
 from helpers import MARKS, clone_state, data_files, load_into, raises_in_dcp, rand_tensor, save
 from safetensors import safe_open
 
-from dcp_datastates import CheckpointCorruptError, cli
-from dcp_datastates.format.metadata_file import read_metadata, write_metadata
+from dcp_datastates import CheckpointCorruptError
+from dcp_datastates import _cli as cli
+from dcp_datastates._format.metadata_file import read_metadata, write_metadata
 
 pytestmark = MARKS
 

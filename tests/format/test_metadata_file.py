@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 
-from dcp_datastates import CheckpointCorruptError, Engine, cli
-from dcp_datastates.format.entries import check_locations
-from dcp_datastates.format.metadata_file import (
+from dcp_datastates import CheckpointCorruptError, Engine
+from dcp_datastates import _cli as cli
+from dcp_datastates._format.entries import check_locations
+from dcp_datastates._format.metadata_file import (
     read_metadata,
     sealed,
     write_metadata,
@@ -100,6 +101,23 @@ def test_metadata_pickled_by_python_3_11_2_loads(checkpoint, capsys, seal: str) 
     data = _as_3112(_Call(written_by_datastates, metadata))
     assert _calls_getattr(data), "the pickle should hold builtins.getattr as 3.11.2's does"
     (directory / ".metadata").write_bytes(sealed(data) if seal == "sealed" else data)
+    assert read_metadata(directory) == metadata
+    assert_state_equal(load_into(expected, directory), expected)
+    code, out = _verify(capsys, directory)
+    assert code == 0 and out.startswith(f"OK: {directory}: 3 stored chunks"), out
+
+
+def test_metadata_naming_the_writers_former_module_loads(checkpoint, capsys) -> None:
+    """A ``.metadata`` written before the package's internal modules were marked private names
+    ``written_by_datastates`` and ``ItemLocation`` in ``dcp_datastates.format.metadata_file``:
+    it loads and verifies."""
+    directory, expected = checkpoint
+    metadata = read_metadata(directory)
+    data = pickle.dumps(_Call(written_by_datastates, metadata), protocol=2)
+    assert b"cdcp_datastates._format.metadata_file\n" in data
+    data = data.replace(b"cdcp_datastates._format.metadata_file\n",
+                        b"cdcp_datastates.format.metadata_file\n")
+    (directory / ".metadata").write_bytes(sealed(data))
     assert read_metadata(directory) == metadata
     assert_state_equal(load_into(expected, directory), expected)
     code, out = _verify(capsys, directory)

@@ -28,7 +28,7 @@ from helpers import (
 from safetensors import safe_open
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from dcp_datastates.format.data_file import LARGE_ITEM_BYTES, PAD_PREFIX
+from dcp_datastates._format.data_file import LARGE_ITEM_BYTES, PAD_PREFIX
 
 KiB = 1 << 10
 

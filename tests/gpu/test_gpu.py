@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
-from dcp_datastates.cuda import cuda_copy
+from dcp_datastates._cuda import cuda_copy
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ from helpers.fakes import FakeClock, HeldPinEngine
 from helpers.tiers import TIMEOUT
 
 from dcp_datastates import CheckpointManager, guard
-from dcp_datastates.memory.aside import GPU_HEADROOM
+from dcp_datastates._memory.aside import GPU_HEADROOM
 
 pytestmark = [
     pytest.mark.gpu,

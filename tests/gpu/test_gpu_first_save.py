@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 from helpers.fakes import SlowArena
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
-from dcp_datastates.cuda import cuda_copy
-from dcp_datastates.memory.aside import HOST, stash
+from dcp_datastates._cuda import cuda_copy
+from dcp_datastates._memory.aside import HOST, stash
 
 pytestmark = [
     pytest.mark.gpu,

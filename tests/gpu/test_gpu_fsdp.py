@@ -33,8 +33,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, cli
-from dcp_datastates.cuda.gpu_sums import GpuSums, compile_kernel
+from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
+from dcp_datastates import _cli as cli
+from dcp_datastates._cuda.gpu_sums import GpuSums, compile_kernel
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,11 +11,11 @@ import torch.distributed.checkpoint as dcp
 from helpers import raises_in_dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
-from dcp_datastates.cuda import cuda_copy
-from dcp_datastates.cuda.gpu_sums import GPU_SUM_BLOCK, GpuHashes, GpuSums
+from dcp_datastates._cuda import cuda_copy
+from dcp_datastates._cuda.gpu_sums import GPU_SUM_BLOCK, GpuHashes, GpuSums
+from dcp_datastates._format import checksums
+from dcp_datastates._format.metadata_file import read_metadata
 from dcp_datastates.errors import CheckpointCorruptError
-from dcp_datastates.format import checksums
-from dcp_datastates.format.metadata_file import read_metadata
 
 pytestmark = [
     pytest.mark.gpu,

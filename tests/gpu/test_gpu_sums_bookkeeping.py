@@ -1,4 +1,4 @@
-"""The GPU checksums (``cuda/gpu_sums.py``): may a snapshot's
+"""The GPU checksums (``_cuda/gpu_sums.py``): may a snapshot's
 checksums be lost, or attached to bytes they were not made of?
 
 CPU: the kernel's build and load bookkeeping (fakes for the architecture, the compiler and
@@ -13,10 +13,10 @@ import time
 import torch
 from helpers import MARKS
 
-from dcp_datastates.cuda.gpu_sums import GpuSums
-from dcp_datastates.jobs.flush import _made_on_gpu
-from dcp_datastates.jobs.snapshot import Snapshot, offsets_of, place_sources
-from dcp_datastates.memory.host_cache import nbytes_of
+from dcp_datastates._cuda.gpu_sums import GpuSums
+from dcp_datastates._jobs.flush import _made_on_gpu
+from dcp_datastates._jobs.snapshot import Snapshot, offsets_of, place_sources
+from dcp_datastates._memory.host_cache import nbytes_of
 
 pytestmark = MARKS
 TIMEOUT = 10

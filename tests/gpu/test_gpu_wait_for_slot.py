@@ -15,8 +15,8 @@ from helpers import Tiers
 from helpers.tiers import ASIDE, TIMEOUT, WAITS, HoldWrites, _messages, _wait_until
 
 from dcp_datastates import CheckpointManager, Engine, guard
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.memory.aside import GPU_HEADROOM, room_on
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates._memory.aside import GPU_HEADROOM, room_on
 
 pytestmark = [
     pytest.mark.gpu,

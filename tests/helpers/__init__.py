@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
+from dcp_datastates._io import make_backend
 from dcp_datastates.errors import UringUnavailable
-from dcp_datastates.io import make_backend
 
 #: The suite's directory (``tests/``) and the repository's root.
 TESTS = Path(__file__).resolve().parents[1]

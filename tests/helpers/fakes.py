@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from dcp_datastates import Engine
-from dcp_datastates.format.align import ALIGN, round_up
-from dcp_datastates.io import IOBackend, IOReq
-from dcp_datastates.memory.host_cache import Arena, Lease
+from dcp_datastates._format.align import ALIGN, round_up
+from dcp_datastates._io import IOBackend, IOReq
+from dcp_datastates._memory.host_cache import Arena, Lease
 
 
 class FaultyBackend:
@@ -291,7 +291,7 @@ class NoGpuRoomEngine(Engine):
 
 
 class FakeGpuSource:
-    """What :func:`dcp_datastates.memory.aside.fits_on_gpu` reads of a GPU tensor: its device and
+    """What :func:`dcp_datastates._memory.aside.fits_on_gpu` reads of a GPU tensor: its device and
     size (``nbytes`` of uint8), no memory."""
 
     is_cuda = True

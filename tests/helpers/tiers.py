@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_datastates import CheckpointManager, Engine, cli
-from dcp_datastates.format.metadata_file import read_metadata
-from dcp_datastates.io import IOBackend, IOReq
+from dcp_datastates import CheckpointManager, Engine
+from dcp_datastates import _cli as cli
+from dcp_datastates._format.metadata_file import read_metadata
+from dcp_datastates._io import IOBackend, IOReq
 
 from . import ROOT, TESTS, Tiers, rand_tensor, run_then_kill
 
@@ -131,7 +132,7 @@ _CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from helpers.tiers import HoldWrites, make_state
     from dcp_datastates import CheckpointManager, Engine
-    from dcp_datastates.io import ThreadPoolBackend
+    from dcp_datastates._io import ThreadPoolBackend
 
     mode, memory, durable = sys.argv[1:4]
     step, big = int(sys.argv[4]), int(sys.argv[5])

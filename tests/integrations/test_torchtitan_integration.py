@@ -51,6 +51,7 @@ pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is no
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
 from dcp_datastates import DataStatesReader, Engine, default_engine  # noqa: E402
+from dcp_datastates._io import IOReq, ThreadPoolBackend  # noqa: E402
 from dcp_datastates.integrations.torchtitan import (  # noqa: E402
     TORCHTITAN,
     DataStates,
@@ -59,9 +60,8 @@ from dcp_datastates.integrations.torchtitan import (  # noqa: E402
     enable_datastates,
     is_datastates_checkpoint,
 )
-from dcp_datastates.io import IOReq, ThreadPoolBackend  # noqa: E402
-from dcp_datastates.tiers.claims import LOCK_NAME as TIER_LOCK  # noqa: E402
-from dcp_datastates.tiers.steps import committed_steps  # noqa: E402
+from dcp_datastates.tiers._claims import LOCK_NAME as TIER_LOCK  # noqa: E402
+from dcp_datastates.tiers._steps import committed_steps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:To get the last learning rate computed")
 world = mpi_util.world

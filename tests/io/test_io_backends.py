@@ -25,9 +25,9 @@ from types import SimpleNamespace
 import pytest
 from helpers.fakes import FaultyBackend
 
-from dcp_datastates.format.align import ALIGN
-from dcp_datastates.io import IOBackend, IOReq, ThreadPoolBackend, make_backend
-from dcp_datastates.io.uring import (
+from dcp_datastates._format.align import ALIGN
+from dcp_datastates._io import IOBackend, IOReq, ThreadPoolBackend, make_backend
+from dcp_datastates._io.uring import (
     ABI_VERSION,
     UringBackend,
     UringUnavailable,
@@ -737,7 +737,7 @@ def test_without_clone_every_ring_pins(
 
 _MEMLOCK_SCRIPT = """
 import ctypes, logging, mmap, os, resource, sys
-from dcp_datastates.io import IOReq, UringBackend
+from dcp_datastates._io import IOReq, UringBackend
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
 backend, buf = UringBackend(max_io=1 << 20), mmap.mmap(-1, 4 << 20)

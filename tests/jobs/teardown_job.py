@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dcp_datastates import CheckpointManager, DataStatesWriter, Engine
-from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates._io import ThreadPoolBackend
 
 #: trials of ``stager`` mode
 TRIALS = 8

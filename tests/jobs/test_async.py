@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_datastates import DataStatesWriter, Engine
-from dcp_datastates.format.data_file import LARGE_ITEM_BYTES
+from dcp_datastates._format.data_file import LARGE_ITEM_BYTES
 
 MiB = 1 << 20
 TIMEOUT = 60

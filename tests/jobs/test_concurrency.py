@@ -37,9 +37,9 @@ from helpers.fakes import FaultyBackend
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, Engine
-from dcp_datastates.format.directory import LOCK_NAME
-from dcp_datastates.format.metadata_file import read_metadata
-from dcp_datastates.io import make_backend
+from dcp_datastates._format.directory import LOCK_NAME
+from dcp_datastates._format.metadata_file import read_metadata
+from dcp_datastates._io import make_backend
 
 MiB = 1 << 20
 TIMEOUT = 60

@@ -1,4 +1,4 @@
-"""The copy job (``jobs/copy.py``) that persists a step: its source read through a private
+"""The copy job (``_jobs/copy.py``) that persists a step: its source read through a private
 mapping (a file cut short meanwhile), and its verification on threads of its own, which a
 save's checksums do not queue behind."""
 
@@ -22,8 +22,9 @@ from helpers import (
     square_state,
 )
 
-from dcp_datastates import DataStatesWriter, Engine, cli
-from dcp_datastates.jobs.copy import copy_checkpoint
+from dcp_datastates import DataStatesWriter, Engine
+from dcp_datastates import _cli as cli
+from dcp_datastates._jobs.copy import copy_checkpoint
 
 TIMEOUT = 60
 
@@ -40,7 +41,7 @@ def test_the_persist_of_a_file_truncated_meanwhile_fails_naming_it(tmp_path: Pat
         import os, torch
         import torch.distributed.checkpoint as dcp
         from dcp_datastates import DataStatesWriter, Engine
-        from dcp_datastates.jobs.copy import copy_checkpoint
+        from dcp_datastates._jobs.copy import copy_checkpoint
 
         class TruncatingEngine(Engine):
             def compute(self, fn, *args, **kw):

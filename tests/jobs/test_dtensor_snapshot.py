@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter
-from dcp_datastates.jobs.writes import WriteWatch
+from dcp_datastates._jobs.writes import WriteWatch
 
 pytestmark = [*MARKS, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

@@ -32,9 +32,10 @@ from helpers.fakes import FaultyBackend
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates import DataStatesWriter, Engine, cli
-from dcp_datastates.format.directory import LOCK_NAME
-from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates import DataStatesWriter, Engine
+from dcp_datastates import _cli as cli
+from dcp_datastates._format.directory import LOCK_NAME
+from dcp_datastates._io import ThreadPoolBackend
 
 MiB = 1 << 20
 TESTS = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ _CHILD = textwrap.dedent(
     from helpers import rand_tensor
     from helpers.fakes import FaultyBackend
     from dcp_datastates import DataStatesWriter, Engine
-    from dcp_datastates.io import ThreadPoolBackend
+    from dcp_datastates._io import ThreadPoolBackend
 
     backend = FaultyBackend(ThreadPoolBackend(), delay_s=0.5)  # the parent kills us meanwhile
 
@@ -132,8 +133,9 @@ _EXPORT_CHILD = textwrap.dedent(
     import sys, threading
     sys.path.insert(0, {tests!r})
     from helpers.fakes import FaultyBackend
-    from dcp_datastates import Engine, cli
-    from dcp_datastates.io import ThreadPoolBackend
+    from dcp_datastates import Engine
+    from dcp_datastates import _cli as cli
+    from dcp_datastates._io import ThreadPoolBackend
 
     ckpt, out, reads = sys.argv[1], sys.argv[2], int(sys.argv[3])
     backend = FaultyBackend(ThreadPoolBackend(), hold_reads_after=reads)

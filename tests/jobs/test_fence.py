@@ -19,9 +19,9 @@ from helpers import MARKS, rand_tensor
 from helpers.fakes import HeldSettles
 
 from dcp_datastates import DataStatesWriter, Engine
-from dcp_datastates.cuda import cuda_copy
-from dcp_datastates.cuda.cuda_copy import CudaCopier
-from dcp_datastates.jobs.fence import StagingFence
+from dcp_datastates._cuda import cuda_copy
+from dcp_datastates._cuda.cuda_copy import CudaCopier
+from dcp_datastates._jobs.fence import StagingFence
 
 pytestmark = MARKS
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""The flush (``jobs/flush.py``) writes a snapshot's copies as the data file, and the file's
+"""The flush (``_jobs/flush.py``) writes a snapshot's copies as the data file, and the file's
 checksums are made of the bytes it writes, not taken from a snapshot they may not match (a plan
 resolved to a view of a copy, a staged tensor changed in place); a process hand-off does not
 wait for a snapshot's checksums."""
@@ -26,7 +26,8 @@ from helpers.fakes import FileTarget
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
-from dcp_datastates import DataStatesWriter, Engine, cli
+from dcp_datastates import DataStatesWriter, Engine
+from dcp_datastates import _cli as cli
 
 TIMEOUT = 60
 

@@ -19,8 +19,8 @@ from helpers.fakes import FaultyBackend
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, Engine
-from dcp_datastates.format.directory import DirectoryClaim
-from dcp_datastates.io import ThreadPoolBackend
+from dcp_datastates._format.directory import DirectoryClaim
+from dcp_datastates._io import ThreadPoolBackend
 
 pytestmark = MARKS
 TIMEOUT = 30

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter, Engine
-from dcp_datastates.format.checksums import BLOCK_BYTES
-from dcp_datastates.format.data_file import LARGE_ITEM_BYTES
+from dcp_datastates._format.checksums import BLOCK_BYTES
+from dcp_datastates._format.data_file import LARGE_ITEM_BYTES
 
 KiB, MiB = 1 << 10, 1 << 20
 

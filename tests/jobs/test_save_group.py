@@ -1,4 +1,4 @@
-"""The process group a save began under (``jobs/groups.py``), in one process on fake groups of
+"""The process group a save began under (``_jobs/groups.py``), in one process on fake groups of
 two ranks: a save that DCP starts on another thread than the one that made its writer (as
 ``dcp.async_save``'s upload thread does, the state staged by another stager) began when the
 writer was made; one on that thread (``dcp.save``) begins then."""

@@ -18,9 +18,9 @@ from helpers import MARKS, assert_state_equal, clone_state, load_into, rand_tens
 from helpers.fakes import HeldSettles
 
 from dcp_datastates import DataStatesWriter, Engine
-from dcp_datastates.cuda.cuda_copy import CudaCopier
-from dcp_datastates.format.data_file import LARGE_ITEM_BYTES
-from dcp_datastates.jobs.save import SaveState
+from dcp_datastates._cuda.cuda_copy import CudaCopier
+from dcp_datastates._format.data_file import LARGE_ITEM_BYTES
+from dcp_datastates._jobs.save import SaveState
 
 MiB = 1 << 20
 TIMEOUT = 60

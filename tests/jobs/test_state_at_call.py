@@ -20,8 +20,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dcp_datastates import CheckpointError, DataStatesWriter, Engine, cli
-from dcp_datastates.jobs.writes import WriteWatch
+from dcp_datastates import CheckpointError, DataStatesWriter, Engine
+from dcp_datastates import _cli as cli
+from dcp_datastates._jobs.writes import WriteWatch
 
 pytestmark = [*MARKS, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

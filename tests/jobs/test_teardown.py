@@ -16,10 +16,10 @@ import torch.distributed.checkpoint as dcp
 from helpers import MARKS, assert_state_equal, load_into
 
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.format.directory import DATA_FILE_RE
-from dcp_datastates.format.metadata_file import read_metadata
-from dcp_datastates.jobs.commit import data_files
-from dcp_datastates.tiers.steps import committed_steps
+from dcp_datastates._format.directory import DATA_FILE_RE
+from dcp_datastates._format.metadata_file import read_metadata
+from dcp_datastates._jobs.commit import data_files
+from dcp_datastates.tiers._steps import committed_steps
 
 pytestmark = MARKS
 

@@ -24,8 +24,8 @@ from helpers import (
 from helpers.fakes import SlowArena
 
 from dcp_datastates import CheckpointError, DataStatesWriter, Engine, guard
-from dcp_datastates.memory.arenas import Memory
-from dcp_datastates.memory.aside import HOST, stash
+from dcp_datastates._memory.arenas import Memory
+from dcp_datastates._memory.aside import HOST, stash
 
 pytestmark = MARKS
 TIMEOUT = 60

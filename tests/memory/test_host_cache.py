@@ -25,10 +25,10 @@ from helpers import (
 )
 
 from dcp_datastates import DataStatesWriter, parse_size
-from dcp_datastates.format.align import ALIGN
-from dcp_datastates.format.data_file import LARGE_ITEM_BYTES
-from dcp_datastates.memory.host_cache import MAP_PIECE, Arena, Lease, Pool
-from dcp_datastates.sizes import format_size
+from dcp_datastates._format.align import ALIGN
+from dcp_datastates._format.data_file import LARGE_ITEM_BYTES
+from dcp_datastates._memory.host_cache import MAP_PIECE, Arena, Lease, Pool
+from dcp_datastates._sizes import format_size
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 4096
@@ -359,7 +359,7 @@ def test_an_arena_over_a_file_shorter_than_it_is_refused_naming_the_file(
     path.write_bytes(b"x" * ALIGN)
     done = run_script(f"""
         import os
-        from dcp_datastates.memory.host_cache import Arena
+        from dcp_datastates._memory.host_cache import Arena
         fd = os.open({str(path)!r}, os.O_RDWR)
         try:
             arena = Arena(1 << 20, {str(path)!r}, fd=fd)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_datastates.cuda.cuda_copy import PIN_PIECE, _pieces
+from dcp_datastates._cuda.cuda_copy import PIN_PIECE, _pieces
 
 
 @pytest.mark.parametrize("addr, nbytes", [

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, Engine, guard
-from dcp_datastates.format.metadata_file import read_metadata
+from dcp_datastates._format.metadata_file import read_metadata
 
 pytestmark = [
     pytest.mark.mpi,
@@ -515,7 +515,7 @@ def test_overwrite_on_several_ranks(world: World, shared: Path, engine: Engine) 
 # shares its null storage: the rank dies with SIGSEGV. A crash cannot be an xfail, so a child
 # process checks first whether the package still does it.
 STAGED_DTENSOR_PICKLE_BUG = (
-    "BUG: jobs/snapshot.py rebuild makes DTensor.from_local(<cache slice at offset != 0>); "
+    "BUG: _jobs/snapshot.py rebuild makes DTensor.from_local(<cache slice at offset != 0>); "
     "pickling it for async_save(PROCESS) segfaults (torch takes the DTensor for a plain tensor)"
 )
 _PICKLE_CANARY = """

@@ -39,7 +39,7 @@ from dcp_datastates import (
     Engine,
     TierFullError,
 )
-from dcp_datastates.io import make_backend
+from dcp_datastates._io import make_backend
 
 pytestmark = [
     pytest.mark.mpi,

@@ -25,10 +25,10 @@ from helpers.fakes import Costly, FakeClock, SlowGuardEngine
 from helpers.tiers import HoldWrites
 
 from dcp_datastates import CheckpointManager, guard
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.budget import QUIET_MIN, SETUP_SLOWDOWN, Account, Budget
-from dcp_datastates.tiers.handles import SaveHandle
-from dcp_datastates.tiers.ranks import Ranks
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates.tiers._budget import QUIET_MIN, SETUP_SLOWDOWN, Account, Budget
+from dcp_datastates.tiers._handles import SaveHandle
+from dcp_datastates.tiers._ranks import Ranks
 
 pytestmark = MARKS
 

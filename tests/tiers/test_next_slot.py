@@ -14,8 +14,8 @@ from helpers.fakes import FaultyBackend
 from helpers.tiers import HoldWrites, make_state, tier_files
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.slots import NextSlot, SlotPool
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates.tiers._slots import NextSlot, SlotPool
 
 MiB = 1 << 20
 

@@ -1,5 +1,5 @@
 """A manager's saves reuse DCP's plans of the previous save when the state keeps its structure
-(``dcp_datastates/tiers/plans.py``). The reuse is read from the planner the manager's memory
+(``dcp_datastates/tiers/_plans.py``). The reuse is read from the planner the manager's memory
 saver owns (``planned`` / ``reused`` counts); every checkpoint must still load bit for bit with
 plain ``dcp.load`` and hold the metadata a fresh plan gives. States whose structure changes
 subtly (the same names nested differently, a DTensor made trainable) are planned again."""
@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from dcp_datastates import CheckpointManager, DataStatesReader, Engine
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.plans import ReusingPlanner, structure
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates.tiers._plans import ReusingPlanner, structure
 
 pytestmark = MARKS
 
@@ -236,7 +236,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from dcp_datastates import DataStatesReader, DataStatesWriter, Engine
-    from dcp_datastates.tiers.plans import ReusingPlanner
+    from dcp_datastates.tiers._plans import ReusingPlanner
 
     def fresh(state):
         planner = DefaultSavePlanner()

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from helpers import MARKS
 
-from dcp_datastates.tiers.handles import SaveHandle
-from dcp_datastates.tiers.ranks import Ranks
-from dcp_datastates.tiers.replicator import Replicator
-from dcp_datastates.tiers.retention import Retention
-from dcp_datastates.tiers.steps import committed_steps, step_dir
+from dcp_datastates.tiers._handles import SaveHandle
+from dcp_datastates.tiers._ranks import Ranks
+from dcp_datastates.tiers._replicator import Replicator
+from dcp_datastates.tiers._retention import Retention
+from dcp_datastates.tiers._steps import committed_steps, step_dir
 
 pytestmark = MARKS
 

@@ -33,8 +33,8 @@ from dcp_datastates import (
     Engine,
     TierFullError,
 )
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.steps import (
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates.tiers._steps import (
     REPLACING_NAME,
     check_complete,
     complete,
@@ -101,7 +101,7 @@ _CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from helpers.tiers import HoldWrites, make_state
     from dcp_datastates import CheckpointManager, Engine
-    from dcp_datastates.io import ThreadPoolBackend
+    from dcp_datastates._io import ThreadPoolBackend
 
     memory, durable, persist = sys.argv[1:4]
     hold = HoldWrites(ThreadPoolBackend(), memory, let_through=1 << 30)

@@ -32,11 +32,11 @@ from helpers.fakes import (
 from helpers.tiers import make_state, slot_files, steps_in, tier_files, wait_until
 
 from dcp_datastates import CheckpointManager, Engine, TierFullError
-from dcp_datastates.format.align import round_up
-from dcp_datastates.sizes import free_bytes
-from dcp_datastates.tiers.manager import _snapshot_size
-from dcp_datastates.tiers.memory_save import SLACK_BYTES, state_bytes
-from dcp_datastates.tiers.slots import NextSlot, Slot, SlotPool, _header_room
+from dcp_datastates._format.align import round_up
+from dcp_datastates._sizes import free_bytes
+from dcp_datastates.tiers._manager import _snapshot_size
+from dcp_datastates.tiers._memory_save import SLACK_BYTES, state_bytes
+from dcp_datastates.tiers._slots import NextSlot, Slot, SlotPool, _header_room
 
 MiB = 1 << 20
 

@@ -34,9 +34,9 @@ from helpers.fakes import Costly, FakeClock, HeldPinEngine
 from helpers.tiers import HoldWrites, make_state, slot_files, steps_in, tier_files, wait_until
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.memory.aside import stash
-from dcp_datastates.tiers.slots import NextSlot, Slot, SlotPool
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates._memory.aside import stash
+from dcp_datastates.tiers._slots import NextSlot, Slot, SlotPool
 
 MiB = 1 << 20
 TIMEOUT = 60

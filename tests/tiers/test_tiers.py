@@ -44,8 +44,8 @@ from helpers.tiers import (
 )
 
 from dcp_datastates import CheckpointManager, Engine, TierFullError, guard
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.claims import LOCK_NAME as TIER_LOCK
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates.tiers._claims import LOCK_NAME as TIER_LOCK
 
 MiB = 1 << 20
 

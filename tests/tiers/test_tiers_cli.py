@@ -35,8 +35,8 @@ from helpers import (
 from helpers.tiers import make_state, persist, run_and_kill, run_cli, steps_in
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.format.metadata_file import read_metadata
-from dcp_datastates.tiers.steps import name_steps
+from dcp_datastates._format.metadata_file import read_metadata
+from dcp_datastates.tiers._steps import name_steps
 
 MiB = 1 << 20
 

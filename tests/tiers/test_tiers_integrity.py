@@ -56,9 +56,9 @@ from dcp_datastates import (
     Engine,
     TierFullError,
 )
-from dcp_datastates.format.metadata_file import read_metadata, write_metadata
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.jobs.copy import copy_checkpoint
+from dcp_datastates._format.metadata_file import read_metadata, write_metadata
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates._jobs.copy import copy_checkpoint
 
 MiB = 1 << 20
 #: What a refused persist names: the memory-tier file and the item whose checksum fails.

@@ -34,9 +34,9 @@ from dcp_datastates import (
     Engine,
     TierFullError,
 )
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.claims import LOCK_NAME
-from dcp_datastates.tiers.manager import HISTORY_KEPT
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates.tiers._claims import LOCK_NAME
+from dcp_datastates.tiers._manager import HISTORY_KEPT
 
 MiB = 1 << 20
 

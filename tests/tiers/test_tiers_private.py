@@ -1,4 +1,4 @@
-"""Tier directories belong to the user (``dcp_datastates.tiers.private``, ``.claims``): a tier
+"""Tier directories belong to the user (``dcp_datastates.tiers._private``, ``.claims``): a tier
 another user owns or may write is refused (it could hold planted steps), so is one under a
 directory another user could rename it out of, a tier swapped after its check is refused at the
 next call (nothing planted runs), a memory tier's files are out of other users' reach whatever
@@ -28,9 +28,9 @@ from helpers import MARKS, ROOT, Tiers
 from helpers.tiers import HoldWrites, make_state, persist, steps_in
 
 from dcp_datastates import CheckpointError, CheckpointManager, Engine
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.tiers.claims import claimed, claimed_durable
-from dcp_datastates.tiers.private import user_root
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates.tiers._claims import claimed, claimed_durable
+from dcp_datastates.tiers._private import user_root
 
 pytestmark = MARKS
 

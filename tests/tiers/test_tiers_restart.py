@@ -27,10 +27,12 @@ from dcp_datastates import (
     DataStatesWriter,
     Engine,
     WorldSizeChangedError,
-    cli,
 )
-from dcp_datastates.tiers.manager import _default_memory_dir
-from dcp_datastates.tiers.steps import TierRecord
+from dcp_datastates import (
+    _cli as cli,
+)
+from dcp_datastates.tiers._manager import _default_memory_dir
+from dcp_datastates.tiers._steps import TierRecord
 
 pytestmark = MARKS
 

@@ -1,5 +1,5 @@
 """The seams of the tiers: the manager leaves the process's warning filters alone, a persist is
-a copy job committed by the same commit code as any save (``jobs/commit.py``, ``jobs/copy.py``),
+a copy job committed by the same commit code as any save (``_jobs/commit.py``, ``_jobs/copy.py``),
 and the rank of a persisted part comes from its caller."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from helpers import MARKS, Tiers, assert_state_equal, blank_like, clone_state, load_into, save
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.format.metadata_file import read_metadata
-from dcp_datastates.jobs.commit import commit, committed_by
-from dcp_datastates.jobs.copy import copy_checkpoint
-from dcp_datastates.tiers.persist import persist_part
+from dcp_datastates._format.metadata_file import read_metadata
+from dcp_datastates._jobs.commit import commit, committed_by
+from dcp_datastates._jobs.copy import copy_checkpoint
+from dcp_datastates.tiers._persist import persist_part
 
 pytestmark = MARKS
 

@@ -3,7 +3,7 @@ waits for its slot instead, on the engine's staging thread, and copies straight 
 training's guard then waits about one commit, not for a slow copy. Once the GPU has room again
 (an earlier snapshot aside moved out) it stops waiting and goes aside.
 
-The decision (:func:`~dcp_datastates.memory.aside.fits_on_gpu`) is fed fake sizes; the staging path
+The decision (:func:`~dcp_datastates._memory.aside.fits_on_gpu`) is fed fake sizes; the staging path
 runs on CPU tensors through an engine that finds no GPU room (``helpers.fakes.NoGpuRoomEngine``).
 Every wait is on an event or a log line, none on a wall clock threshold. While one manager's
 save waits there for its slot, the saves of another manager on the same engine wait behind it,
@@ -31,8 +31,8 @@ from helpers.tiers import (
 )
 
 from dcp_datastates import CheckpointManager, Engine
-from dcp_datastates.io import ThreadPoolBackend
-from dcp_datastates.memory.aside import fits_on_gpu, room_in
+from dcp_datastates._io import ThreadPoolBackend
+from dcp_datastates._memory.aside import fits_on_gpu, room_in
 
 pytestmark = MARKS
 MiB, GiB = 1 << 20, 1 << 30

@@ -6,7 +6,7 @@ ranks: FSDP2 shards evenly).
 
 from __future__ import annotations
 
-from dcp_datastates.sizes import format_size
+from dcp_datastates._sizes import format_size
 from harness.ceilings import GiB
 from harness.plots import bars, figure, save
 from harness.tables import Table, ratio_table
