@@ -45,7 +45,7 @@ def test_every_test_file_has_its_row_in_the_tests_readme() -> None:
 #: module at the top level ("__init__" is the package itself).
 FLOORS = [
     {"errors", "_sizes", "_arguments", "_renamed", "_dcp_frames"},
-    {"_format"},
+    {"_format", "format"},
     {"_memory", "_cuda", "_io", "_workers"},
     {"_engine", "_stats", "_mismatch"},
     {"_jobs"},

@@ -82,8 +82,8 @@ WRONG_READER = (
 def written_by_datastates(metadata: Metadata) -> Metadata:
     """What a plain ``pickle.load`` of our ``.metadata`` calls (``_Sealed``), so that DCP's
     default FileSystemReader fails saying to use DataStatesReader; ``read_metadata`` returns
-    ``metadata`` instead. Checkpoints name this function by its module and name: where it
-    moves, :data:`_FORMER_MODULE` keeps the old name readable.
+    ``metadata`` instead. Checkpoints name this function by :data:`ON_DISK_MODULE` and its
+    name.
 
     A plain unpickling raises CheckpointError. Called from another StorageReader's
     ``read_metadata``, whose errors some torch versions only log (then fail with a bare
@@ -149,9 +149,11 @@ def _path_string(*parts: str) -> str:
     return str(PurePosixPath(*parts))
 
 
-#: Where this module was before the package's internal modules were private: checkpoints
-#: written then name its ``written_by_datastates`` and ``ItemLocation`` there.
-_FORMER_MODULE = "dcp_datastates.format.metadata_file"
+#: Where a checkpoint's ``.metadata`` names ``written_by_datastates`` and ``ItemLocation``:
+#: the file format's path (``dcp_datastates/format/metadata_file.py``), the same for every
+#: checkpoint written, wherever this module lives
+ON_DISK_MODULE = "dcp_datastates.format.metadata_file"
+ItemLocation.__module__ = written_by_datastates.__module__ = ON_DISK_MODULE
 
 _ALLOWED = {(c.__module__, c.__qualname__): c for c in _SAFE_GLOBALS} | {
     (_StorageInfo.__module__, _StorageInfo.__qualname__): _StorageInfo,
@@ -160,8 +162,6 @@ _ALLOWED = {(c.__module__, c.__qualname__): c for c in _SAFE_GLOBALS} | {
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     (written_by_datastates.__module__, written_by_datastates.__qualname__): _unseal,
     (TensorProperties.__module__, TensorProperties.__qualname__): _NewerTensorProperties,
-    (_FORMER_MODULE, written_by_datastates.__qualname__): _unseal,
-    (_FORMER_MODULE, ItemLocation.__qualname__): ItemLocation,
 }
 
 

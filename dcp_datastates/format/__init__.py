@@ -1,0 +1,1 @@
+"""The names a checkpoint's ``.metadata`` records (part of the file format, not API)."""
