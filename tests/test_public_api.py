@@ -25,6 +25,7 @@ PUBLIC_MODULES = ["dcp_datastates", "dcp_datastates.tiers",
 DOCUMENTED_INTERNALS = {
     "dcp_datastates.errors": "where the exceptions live; dcp_datastates exports every one",
     "dcp_datastates._io.IOBackend": "the protocol of an io_backend= object (a test seam)",
+    "dcp_datastates.format.metadata_file": "where .metadata names what it pickles (the format)",
 }
 
 
