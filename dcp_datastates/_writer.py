@@ -22,7 +22,6 @@ from ._format.directory import check_direct_io, checkpoint_path, is_url
 from ._jobs.groups import Began, began_for
 from ._jobs.ordering import CALLS
 from ._jobs.save import SaveJob, new_save_job
-from ._jobs.snapshot import SnapshotTarget
 from ._jobs.staged import StagedSaves
 from ._stats import SaveStats
 
@@ -65,22 +64,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         direct_io: O_DIRECT for data files: None uses it where the file system allows and it
             helps (not on tmpfs), True requires it (checked here, or when the path is known),
             False never uses it.
-        snapshot_into: a snapshot target (``CheckpointManager`` gives a memory-tier slot) that
-            the snapshot of an async save is copied into and that becomes the data file in
-            place.
     """
 
     _synchronize_after_execute = False
 
     @checked_keywords
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
-                 overwrite: bool = False, direct_io: bool | None = None,
-                 snapshot_into: SnapshotTarget | None = None) -> None:
+                 overwrite: bool = False, direct_io: bool | None = None) -> None:
         super().__init__()
         self.path = checkpoint_path(path) if path is not None else None
         self.overwrite = overwrite
         self.direct_io = direct_io
-        self._target = snapshot_into
         self._engine = engine
         self._staged = StagedSaves()
         self._running: dict[int, SaveJob] = {}  # thread ident -> its save
@@ -99,8 +93,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if job is not None:
             job.hand_off()
         state = self.__dict__.copy()
-        state.update(_engine=None, _staged=None, _running={}, _last=None, _target=None,
-                     _made=None)
+        state.update(_engine=None, _staged=None, _running={}, _last=None, _made=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -110,7 +103,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict) -> Future:
         """Start snapshotting ``state_dict``; the Future gives the staged copy."""
         job = self._last = new_save_job(self.engine)
-        job.target = self._target
         self._staged.add(job)
         return job.stage(state_dict)
 

@@ -121,7 +121,7 @@ def test_other_type_errors_and_the_signature_stay(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="positional"):
         DataStatesWriter(tmp_path, None)  # engine is keyword-only: Python's own error
     assert list(inspect.signature(DataStatesWriter).parameters) == [
-        "path", "engine", "overwrite", "direct_io", "snapshot_into"]
+        "path", "engine", "overwrite", "direct_io"]
 
 
 def _model(layers: int, width: int) -> dict:

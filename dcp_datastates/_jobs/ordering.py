@@ -112,9 +112,12 @@ class Caller:
 
 class Tie:
     """How DCP holds one save: the future its snapshot is taken from, the DCP call running it
-    and the index of the last call it ran. Judged only by :class:`SaveOrder`."""
+    and the index of the last call it ran. Judged only by :class:`SaveOrder`. An ``owned``
+    save is held by its owner, not DCP (``_jobs/explicit.py``): it holds the line until it
+    ends and is never abandoned, since its owner ends it."""
 
-    def __init__(self) -> None:
+    def __init__(self, owned: bool = False) -> None:
+        self.owned = owned
         self.staged = StagedFuture()
         self.caller: Caller | None = None
         self.call = -1  # index in CALLS of the last DCP call the save ran
@@ -141,16 +144,16 @@ class Tie:
     def taken(self) -> bool:
         """Whether DCP took this save: a DCP call ran it, or a thread other than the stager
         took its snapshot (not so for a snapshot DCP refused to save once it was staged)."""
-        return self.caller is not None or bool(self.takers())
+        return self.owned or self.caller is not None or bool(self.takers())
 
     def taken_by(self, thread: threading.Thread) -> bool:
         """Whether ``thread`` took the staged state dict and no call runs the save yet."""
-        return self.caller is None and thread in self.staged.takers
+        return not self.owned and self.caller is None and thread in self.staged.takers
 
     def untaken_for(self) -> float:
         """Seconds since the snapshot was handed out with no save taking it (0 otherwise)."""
         at = self._delivered_at
-        if at is None or self.caller is not None or self.takers():
+        if at is None or self.owned or self.caller is not None or self.takers():
             return 0.0
         return time.monotonic() - at
 
@@ -158,7 +161,7 @@ class Tie:
         """Whether later saves wait for this (not ended) one: it runs, its snapshot is still
         copying, a DCP thread took the snapshot and is on its way, or it was handed out only
         just now (rule 4)."""
-        if self.caller is not None or not self.staged.done():
+        if self.owned or self.caller is not None or not self.staged.done():
             return True
         takers = self.takers()
         if any(t.is_alive() for t in takers):
@@ -167,6 +170,8 @@ class Tie:
 
     def abandoned(self) -> bool:
         """Whether DCP left this (not ended) save: rule 2, or rule 3."""
+        if self.owned:
+            return False
         if self.caller is not None:
             return self.caller.gone()
         takers = self.takers()
@@ -201,9 +206,10 @@ J = TypeVar("J", bound=OrderedSave)
 class SaveOrder(Generic[J]):
     """An engine's saves in ticket order. One per engine (``_jobs.save.save_order``), attached
     to it as work its ``close()`` waits for (:meth:`wait`) and then ends (:meth:`end`).
-    ``make(engine, order, ticket)`` makes a job."""
+    ``make(engine, order, ticket, owned)`` makes a job (``owned``: see :class:`Tie`)."""
 
-    def __init__(self, engine: Engine, make: Callable[[Engine, SaveOrder[J], int], J]) -> None:
+    def __init__(self, engine: Engine,
+                 make: Callable[[Engine, SaveOrder[J], int, bool], J]) -> None:
         self.engine = engine
         self._make = make
         self._lock = threading.Condition()
@@ -216,12 +222,12 @@ class SaveOrder(Generic[J]):
                                          daemon=True)
         self._watcher.start()
 
-    def new_job(self) -> J:
+    def new_job(self, owned: bool = False) -> J:
         """A job holding the next ticket: its storage steps run after every earlier one's."""
         self.reap()
         with self._lock:
             self.engine.check_open()
-            job = self._make(self.engine, self, next(self._tickets))
+            job = self._make(self.engine, self, next(self._tickets), owned)
             self._jobs[job.ticket] = job
             return job
 

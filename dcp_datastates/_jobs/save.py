@@ -62,9 +62,10 @@ CURRENT_DCP_VERSION: str = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", "1.0.0
 log = logging.getLogger("dcp_datastates")
 
 
-def new_save_job(engine: Engine) -> SaveJob:
-    """A save job of ``engine``'s save order, holding the next ticket."""
-    return save_order(engine).new_job()
+def new_save_job(engine: Engine, owned: bool = False) -> SaveJob:
+    """A save job of ``engine``'s save order, holding the next ticket (``owned``: driven by
+    its owner, not DCP: ``_jobs/explicit.py``)."""
+    return save_order(engine).new_job(owned)
 
 
 def save_order(engine: Engine) -> SaveOrder[SaveJob]:
@@ -110,13 +111,14 @@ class SaveState(enum.Enum):
 class SaveJob:
     """One rank's part of one save. Made by :func:`new_save_job`."""
 
-    def __init__(self, engine: Engine, order: SaveOrder[SaveJob], ticket: int) -> None:
+    def __init__(self, engine: Engine, order: SaveOrder[SaveJob], ticket: int,
+                 owned: bool = False) -> None:
         self.engine = engine
         self.order = order
         self.ticket = ticket
         self.state = SaveState.PLANNED
         self.stats = SaveStats(backend=engine.io.name)
-        self.tie = Tie()  # how DCP holds this save (judged by the save order)
+        self.tie = Tie(owned)  # how DCP (or its owner) holds this save (judged by the order)
         self.staging = StagingFence()  # staged (or ordered): the sources may change
         self.quiet = threading.Event()  # no copy reads the sources or fills the lease
         self.committed: Future = Future()  # this rank's part over (the coordinator: committed)
@@ -141,7 +143,8 @@ class SaveJob:
         ones) and record a CUDA event; the other GPU copies run on the engine's staging thread.
         """
         self.tie.stager = threading.current_thread()
-        self.began = began_staging()
+        if self.began is None:  # an explicit save's owner said
+            self.began = began_staging()
         sources: list[torch.Tensor] = []
         dtensors: dict[int, DTensor] = {}
         try:

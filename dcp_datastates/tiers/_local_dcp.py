@@ -1,14 +1,15 @@
-"""DCP's one-process save and load, which a rank's memory-tier checkpoints are (and which the
-command line's ``export --format torch`` uses to load a whole checkpoint).
+"""DCP's one-process load, of a rank's memory-tier checkpoints (and of a whole checkpoint, for
+the command line's ``export --format torch``).
 
-A memory-tier checkpoint is one rank's own (ranks commit at their own pace, with no collective),
-so DCP runs it with ``no_dist=True``. DCP's public ``save`` and ``load`` then warn at every call
-("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to ...
-in a single process"): they cannot tell a one-process call made on purpose from a forgotten
-``init_process_group``. The functions here run the steps those calls run after that warning
-(DCP's one-process ``_save_state_dict`` / ``_load_state_dict``, with the storage pointed at the
-checkpoint and ``Stateful`` values given as their state dicts), so the manager neither emits
-that warning nor touches the process's warning filters.
+A memory-tier checkpoint is one rank's own (ranks commit at their own pace, with no collective;
+it is saved by an explicit save job, ``_jobs/explicit.py``), so DCP loads it with
+``no_dist=True``. DCP's public ``load`` then warns at every call ("torch.distributed is
+disabled, unavailable or uninitialized, assuming the intent is to ... in a single process"): it
+cannot tell a one-process call made on purpose from a forgotten ``init_process_group``. The
+functions here run the steps that call runs after that warning (DCP's one-process
+``_load_state_dict``, with the storage pointed at the checkpoint and ``Stateful`` values given
+as their state dicts), so the manager neither emits that warning nor touches the process's
+warning filters.
 """
 
 from __future__ import annotations
@@ -30,33 +31,16 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from .._reader import DataStatesReader
-from .._writer import DataStatesWriter
 from ..errors import CheckpointError
-from ._plans import ReusingPlanner
 
 
 def plain(state: dict) -> dict:
     """``state`` with its ``Stateful`` values replaced by their state dicts (as DCP does)."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-
-
-def save(state: dict, writer: DataStatesWriter, planner: ReusingPlanner | None = None) -> None:
-    """Save ``state`` (no ``Stateful`` values: see :func:`plain`) through ``writer``, which
-    names the checkpoint's directory, as ``dcp.save(..., no_dist=True)`` does; ``planner``
-    (used by one save at a time) plans it, or DCP's default planner. The planner lets the
-    state go when the save ends."""
-    try:
-        with _storage_errors():  # a full tier, a failed write
-            _save_state_dict(state_dict=state, storage_writer=writer, no_dist=True,
-                             planner=planner)
-    finally:
-        if planner is not None:
-            planner.release()
 
 
 def load(state: dict, directory: Path, reader: DataStatesReader) -> None:

@@ -2,9 +2,9 @@
 follows each commit (the slot, the figures, retention, the replica's exchange).
 
 A save is admitted only if the tier has room for it (else :class:`TierFullError`, and nothing
-is written). Its snapshot runs on the engine's staging thread (into a slot of the tier on
-tmpfs); the rest of the save, DCP's part, runs on the upload thread, as ``dcp.async_save``
-would run it on a thread of its own. What follows the commits runs in save order.
+is written). It is an explicit save job of the engine (``_jobs/explicit.py``): its snapshot
+runs on the engine's staging thread (into a slot of the tier on tmpfs); its flush and commit
+run on the upload thread. What follows the commits runs in save order.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from .._engine import Engine
 from .._format.align import round_up
+from .._jobs.explicit import ExplicitSave
 from .._memory.host_cache import nbytes_of
 from .._sizes import format_size, free_bytes
-from .._writer import DataStatesWriter
 from ..errors import TierFullError
-from . import _local_dcp as local_dcp
 from ._handles import SaveFigures, SaveHandle, failed_handle
 from ._plans import ReusingPlanner
 from ._ranks import Ranks
@@ -63,9 +62,8 @@ class MemorySaver:
         self.limit, self.keep, self.slots = limit, keep, slots
         self.ranks, self.replicator = ranks, replicator
         self.engine, self.history = engine, history
-        # runs each save's DCP part, as dcp.async_save's thread would (so not "dcp_datastates-":
-        # the writer ties a DCP save to the snapshot its thread took)
-        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager-upload")
+        # flushes and commits the saves, one at a time
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-upload")
         #: plans the saves (one at a time, on the upload thread), reusing the last plans
         self.planner = ReusingPlanner()
         self._failed: set[int] = set()  # steps whose latest save here failed
@@ -77,7 +75,7 @@ class MemorySaver:
         step already; the copy here stays until the new save commits, marked
         (:func:`~.steps.mark_replacing`) until every rank did."""
         directory = step_dir(self.memory, step)
-        writer = None
+        save = None
         try:
             nbytes = state_bytes(state)
             self._admit(step, nbytes, slot)
@@ -87,13 +85,12 @@ class MemorySaver:
             else:  # no rank holds a copy: a mark a killed save left names none to keep
                 settle_replacing(directory)
             TierRecord(step, self.ranks.rank, self.ranks.world).write(directory)
-            writer = DataStatesWriter(directory, engine=self.engine(), overwrite=True,
-                                      snapshot_into=slot)
-            staged = writer.stage(state)
-            committed = self._uploader.submit(self._upload, step, writer, staged)
+            save = ExplicitSave(self.engine(), directory, target=slot, overwrite=True)
+            staged = save.stage(state)
+            committed = self._uploader.submit(self._upload, step, save)
         except Exception as exc:  # noqa: BLE001 - the handle carries it; training goes on
-            if writer is not None:
-                writer.close()  # a snapshot staged for a save that will not run: given back
+            if save is not None:
+                save.abort(exc)  # a snapshot staged for a save that will not run: given back
             if slot is not None:
                 assert self.slots is not None  # a slot comes from slots
                 # now, not in save order: the next save's admission counts what the pool has
@@ -102,14 +99,14 @@ class MemorySaver:
             refused = failed_handle(step, exc)
             refused.started = False
             return refused
-        handle = SaveHandle(step, staged, committed, staging_ordered=writer.staging_ordered)
+        handle = SaveHandle(step, staged, committed, staging_ordered=save.staging_ordered)
         handle.figures.blocked_s = time.perf_counter() - start
         handle.figures.bytes = nbytes
-        stats, figures = writer.last_stats(), handle.figures
+        stats, figures = save.stats, handle.figures
 
         def snapshot_done(_f: Future) -> None:
             figures.snapshot_s = time.perf_counter() - start
-            figures.copy_s = stats.copy_s if stats is not None else None
+            figures.copy_s = stats.copy_s
         handle.staged.add_done_callback(snapshot_done)
         return handle
 
@@ -161,22 +158,19 @@ class MemorySaver:
                        f"only persisted steps leave it to make room")
         return advice
 
-    def _upload(self, step: int, writer: DataStatesWriter, staged: Future) -> None:
-        """The rest of the save of ``step``, as ``dcp.async_save`` runs it on a thread of its
-        own (this thread stays, so a save costs the training loop no thread start): DCP's save
-        of the snapshot, once it is copied. An error is logged here (the handle carries it)."""
+    def _upload(self, step: int, save: ExplicitSave) -> None:
+        """On the upload thread (it stays, so a save costs the training loop no thread
+        start): flush and commit the save of ``step`` once its snapshot is staged. An error
+        is logged here (the handle carries it)."""
         try:
-            local_dcp.save(staged.result(), writer, self.planner)
+            save.flush(self.planner)
+            save.commit()
         except Exception as exc:
             log.error("dcp_datastates: checkpoint of step %d not committed to the memory tier "
                       "%s: %s", step, self.memory, exc)
             raise
         finally:
-            writer.close()  # a snapshot that DCP's save did not take is given back
-            # a save DCP gave up between two writer calls (its planner failed) ends now, not
-            # at the engine's next look: what it holds (its slot) is free before the handle
-            if (saves := writer.engine.saves) is not None:
-                saves.reap()
+            self.planner.release()
 
     def room(self, reused: int = 0) -> int:
         """Bytes a new memory-tier checkpoint may take now, besides the ``reused`` bytes of

@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dcp_datastates import CheckpointCorruptError, DataStatesReader, DataStatesWriter
+from dcp_datastates._jobs.explicit import ExplicitSave
 from dcp_datastates._jobs.writes import WriteWatch
 
 pytestmark = [*MARKS, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -82,9 +83,9 @@ def test_staged_dtensors_keep_the_mesh_and_hold_the_snapshot_memory(
     state = state_of(meshes)
     engine = make_engine(host_cache_size="8MiB", io_backend="threads")
     target = FileTarget(engine, tmp_path / "slot", 1 << 20)
-    writer = DataStatesWriter(engine=engine, snapshot_into=target)
+    save = ExplicitSave(engine, tmp_path / "ckpt", target=target)
     try:
-        staged = writer.stage(state).result(timeout=TIMEOUT)
+        staged = save.stage(state).result(timeout=TIMEOUT)
         lo, hi = target.arena.addr, target.arena.addr + target.arena.nbytes
         for name, src in dtensors(state).items():
             got = staged[name]
@@ -99,7 +100,7 @@ def test_staged_dtensors_keep_the_mesh_and_hold_the_snapshot_memory(
                 assert lo <= local.data_ptr() < hi, f"{name}: staged shard is not the snapshot"
                 assert local.data_ptr() != src.to_local().data_ptr(), name
     finally:
-        writer.close()
+        save.abort(RuntimeError("the test is over"))
         target.close()
 
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from dcp_datastates import DataStatesWriter, Engine
 from dcp_datastates import _cli as cli
+from dcp_datastates._jobs.explicit import ExplicitSave
 
 TIMEOUT = 60
 
@@ -74,15 +75,20 @@ def test_a_plan_resolved_to_a_transposed_view_of_a_copy_saves_the_view(
     that reports corruption)."""
     engine = make_engine(host_cache_size="8MiB", io_backend="threads", io_workers=2)
     state = square_state()
-    target = FileTarget(engine, tmp_path / "slot", 1 << 20) if in_target else None
-    try:
-        writer = DataStatesWriter(engine=engine, snapshot_into=target)
+    if in_target:  # a memory-tier save: the manager's explicit save job
+        target = FileTarget(engine, tmp_path / "slot", 1 << 20)
+        try:
+            save = ExplicitSave(engine, tmp_path / "ckpt", target=target)
+            save.stage(state).result(timeout=TIMEOUT)
+            save.flush(TransposingPlanner("m"))
+            save.commit()
+        finally:
+            target.close()
+    else:
+        writer = DataStatesWriter(engine=engine)
         staged = writer.stage(state).result(timeout=TIMEOUT)
         dcp.save(staged, checkpoint_id=tmp_path / "ckpt", storage_writer=writer, no_dist=True,
                  planner=TransposingPlanner("m"))
-    finally:
-        if target is not None:
-            target.close()
     expected = {"m": state["m"].t().contiguous(), "v": state["v"].clone()}
     assert cli.main(["verify", "-q", str(tmp_path / "ckpt")]) == 0
     assert_state_equal(load_into(clone_state(expected), tmp_path / "ckpt"), expected)
