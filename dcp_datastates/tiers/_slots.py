@@ -708,14 +708,14 @@ class SlotPool:
                 return
             slot = given
         with self._lock:
-            # a step saved again: the file its slot held was replaced (removed)
-            replaced = self._held_in(directory) if committed else None
-            if replaced is not None:
-                self._move(replaced, GONE)
             # one never made (a skipped save's) has nothing to keep, no slot to ready
             to = (GONE if slot.fd < 0 else FREE if slot.path == slot.home else HELD
                   if committed and slot.path.parent == directory and slot.path.exists() else GONE)
+            # a step saved again: the file its slot held was replaced (removed)
+            replaced = self._held_in(directory) if committed else None
             self._move(slot, to)
+            if replaced is not None:
+                self._move(replaced, GONE)
         if replaced is not None:
             self._forget(replaced)
         if to is GONE:
