@@ -331,8 +331,7 @@ class SlotPool:
         return [s for s in self._slots if s.state in states]
 
     def _move(self, slot: Slot, to: SlotState) -> None:
-        """(Lock held) Move ``slot`` to the state ``to``: a move :data:`MOVES` does not list is
-        a bug, refused."""
+        """(Lock held) Move ``slot`` to ``to``; a move :data:`MOVES` does not list is a bug."""
         if to not in MOVES[slot.state]:
             raise RuntimeError(f"{slot}: no move from {slot.state.name} to {to.name}")
         slot.state = to
@@ -355,9 +354,9 @@ class SlotPool:
         self._mode |= what
 
     def _sizes(self) -> tuple[int, int] | None:
-        """(Lock held) The size the pool's thread sizes free slots for, ahead of the saves that
-        take only ready ones: :meth:`prepare`'s (or :meth:`saw`'s); None before, and once the
-        tier had no room for one, pinning failed or the pool closed (saves take any slot)."""
+        """(Lock held) The size the pool's thread sizes free slots for ahead of the saves, that
+        take only ready ones (:meth:`saw`); None before :meth:`prepare`, and once the tier had
+        no room for one, pinning failed or the pool closed: saves take any slot."""
         stopped = self._mode & (Mode.NO_ROOM | Mode.UNPINNED | Mode.CLOSED)
         return None if stopped else self._want
 
@@ -371,9 +370,9 @@ class SlotPool:
     def _to_ready(self, slot: Slot) -> bool:
         """(Lock held) Whether the pool's thread is to size and pin ``slot`` (a free one):
         one not pinned, or not sized as the saves' state now is (none once UNPINNED)."""
-        want = self._sizes()
         if self._mode & (Mode.UNPINNED | Mode.CLOSED):
             return False
+        want = self._sizes()
         if want is not None:
             return not slot.pinned or not slot.sized_for(*want)
         return not slot.pinned and slot.arena is not None

@@ -2,7 +2,7 @@
 does not list (a slot given back twice) is refused, naming the slot and both states; and the
 pool's public calls move a slot through a save's life (taken, committed, reclaimed), and a
 slot being pinned that ``release_free`` gives up through DOOMED to GONE. The engine is a
-fake injected into the pool (sizes only, pinning gated by the test); no wait is timed."""
+fake injected into the pool (sizes only, pinning gated by the test)."""
 
 from __future__ import annotations
 
