@@ -37,18 +37,26 @@ manager holds the memory tier's claim (:mod:`.claims`), so any other slot direct
 left by a manager that is gone (killed): the new pool adopts its files as free slots (their
 pages are reused where their size covers the state's; pinning is per process, so they are
 pinned again in the background), up to its ``limit``; the rest are removed.
+
+Each slot is in one :class:`SlotState` (FREE, SIZING, PINNING, DOOMED, IN_SAVE, HELD, GONE):
+:data:`MOVES`, next to it, lists the moves a slot may make, and :meth:`SlotPool._move` makes
+each one (refusing any other: a bug); the pool's free slots, those being readied and the
+steps' are views of those states. What the pool stopped doing for good (a save had no room,
+the tier had none for a slot, pinning failed, closed) is one :class:`Mode`.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Protocol
 
 from .._format.align import ALIGN, round_up
@@ -80,6 +88,43 @@ READY_WAIT_S = 60.0
 BASE_ROOM, ENTRY_BYTES = 64 << 10, 1024
 
 
+class SlotState(enum.Enum):
+    """Where a slot is; :data:`MOVES` lists the moves, :meth:`SlotPool._move` makes them."""
+
+    FREE = enum.auto()  #: at home, no save's (its file is made by its first fit, or adopted)
+    SIZING = enum.auto()  #: being sized by the pool's thread: the tier's pages move
+    PINNING = enum.auto()  #: sized, being pinned by the pool's thread
+    DOOMED = enum.auto()  #: given up by release_free while being readied: goes once it is
+    IN_SAVE = enum.auto()  #: taken by a save, not settled yet
+    HELD = enum.auto()  #: a committed step's data file
+    GONE = enum.auto()  #: unmapped and closed (or being): no longer the pool's
+
+
+FREE, SIZING, PINNING, DOOMED, IN_SAVE, HELD, GONE = SlotState  # in the order above
+#: Every move a slot may make; any other is a bug (:meth:`SlotPool._move` refuses it).
+MOVES: Mapping[SlotState, frozenset[SlotState]] = MappingProxyType({
+    FREE: frozenset({SIZING, IN_SAVE, GONE}),
+    SIZING: frozenset({PINNING, FREE, DOOMED, GONE}),  # FREE: no room for it
+    PINNING: frozenset({FREE, DOOMED, GONE}),  # GONE: the pool closed meanwhile
+    DOOMED: frozenset({FREE, GONE}),  # FREE: a waiting save is owed it
+    IN_SAVE: frozenset({FREE, HELD, GONE}),  # not used, committed, lost
+    HELD: frozenset({FREE, GONE}),  # its step dropped: reclaimed, or with the step
+    GONE: frozenset(),
+})
+#: The slots the pool's thread is readying (or giving up, DOOMED)
+READYING = (SIZING, PINNING, DOOMED)
+
+
+class Mode(enum.Flag):
+    """What a pool stopped doing, for the rest of its life (:meth:`SlotPool._stop`); none
+    at first: it sizes and pins free slots ahead of the saves, the rotation and spares."""
+
+    GAVE_WAY = enum.auto()  #: a save had no room (release_free): no slot is made ahead
+    NO_ROOM = enum.auto()  #: the tier had no room for a slot the thread sized: it only pins
+    UNPINNED = enum.auto()  #: pinning failed: the thread readies none, saves take any slot
+    CLOSED = enum.auto()  #: closed: waiting saves get no slot, one being readied goes
+
+
 def _header_room(entries: int) -> int:
     """Bytes a slot keeps before its data for the header of ``entries`` tensors."""
     return round_up(BASE_ROOM + ENTRY_BYTES * entries, ALIGN)
@@ -103,6 +148,7 @@ class Slot:
         self.arena: Arena | None = None
         self.fd = -1  # the file is made by the first fit(), or adopted (a dead process's)
         self.pinned = False  # by the pool's thread (or nothing to pin: no GPU)
+        self.state = FREE  # changed by the pool (SlotPool._move) alone
 
     def __str__(self) -> str:
         return f"memory-tier slot {self.home}"
@@ -111,22 +157,20 @@ class Slot:
     def nbytes(self) -> int:
         """Bytes the slot takes on the tier (0 if it is being closed meanwhile: other threads
         ask, e.g. :meth:`SlotPool.slot_bytes` while the pool's thread sizes it)."""
-        arena, fd = self.arena, self.fd
-        if arena is not None:
-            return arena.nbytes
-        try:
-            return os.fstat(fd).st_size if fd >= 0 else 0
-        except OSError:  # closed since it was read
-            return 0
+        return self._bytes(lambda st: st.st_size)
 
     def pages(self) -> int:
         """Bytes of the tier the slot's file holds now: a slot being sized, or that the tier
         had no room for, holds fewer than it takes once sized (:attr:`nbytes`)."""
+        return self._bytes(lambda st: st.st_blocks * 512)
+
+    def _bytes(self, of: Callable[[os.stat_result], int]) -> int:
+        """The mapping's bytes, else ``of`` the file's status (0 without a file)."""
         arena, fd = self.arena, self.fd
         if arena is not None:
             return arena.nbytes
         try:
-            return os.fstat(fd).st_blocks * 512 if fd >= 0 else 0
+            return of(os.fstat(fd)) if fd >= 0 else 0
         except OSError:  # closed since it was read
             return 0
 
@@ -256,51 +300,81 @@ class SlotPool:
     """A memory tier's slots: ``limit`` at most, free or holding a step's data file, made
     from :meth:`prepare` on (``rotation`` of them, then :data:`SPARE` ahead of the saves);
     free ones are sized (after :meth:`prepare`) and pinned by a thread of the pool's, one at
-    a time."""
+    a time. Each slot is in one :class:`SlotState`, changed by :meth:`_move` alone."""
 
     def __init__(self, engine: FileMapper, memory: Path, limit: int,
                  rotation: int = SPARE, room: Callable[[], int] | None = None) -> None:
         self.engine = engine
         self.directory = memory / f"{SLOT_DIR_PREFIX}{os.getpid()}.{new_token()}"
         self.limit = limit
-        self._rotation = min(rotation, limit)  # 0 once the tier had no room (release_free)
+        self._rotation = min(rotation, limit)  # made from prepare() on (none once GAVE_WAY)
         # bytes the tier has for more (its free slots aside): its file system's, by default
         self._room = room or (lambda: free_bytes(self.directory))
         self._cap = 0  # bytes the rotation's slots may take (the tier's room at prepare)
         self._nbytes = 0  # bytes a save asks the tier for (prepare's): its slot's, or more
-        self._free: list[Slot] = []
-        self._held: dict[Path, Slot] = {}  # step directory -> its slot
-        self._readying: list[Slot] = []  # free slots being sized or pinned (thread, waiter)
+        self._slots: list[Slot] = []  # every slot not GONE, in the order of their last move
         self._want: tuple[int, int] | None = None  # the size prepare() gave: (total, entries)
         self._last: tuple[int, int] | None = None  # the size the last save took (saw)
-        self._count = 0  # slots mapped now
         self.room = 0  # header room the saves' headers needed (need_room)
         self._names = itertools.count()
         self._lock = threading.Lock()
-        self._readied = threading.Condition(self._lock)  # a slot left _readying
+        self._readied = threading.Condition(self._lock)  # a slot left SIZING, PINNING, DOOMED
         self._waiting: list[NextSlot] = []  # saves waiting for a slot, in save order
-        self._warned = self._failed = self._closed = False
-        self._sizing = True  # the pool's thread sizes free slots (False once the tier had no room)
-        self._spares = SPARE  # 0 once the tier had no room for them (release_free)
-        self._doomed: set[Slot] = set()  # being readied, to be removed then (release_free)
-        self._fitting: set[Slot] = set()  # being sized: taking the tier's pages
+        self._mode = Mode(0)  # what the pool stopped doing (_stop)
+        self._warned = False  # the saves waiting for a slot were logged
         make_private(self.directory)
         self._adopt_dead_pools(memory)
         self._thread = Background(self._ready_one, "dcp_datastates-pin")
+
+    def _in(self, *states: SlotState) -> list[Slot]:
+        """(Lock held) The slots in ``states``, in the order they entered them."""
+        return [s for s in self._slots if s.state in states]
+
+    def _move(self, slot: Slot, to: SlotState) -> None:
+        """(Lock held) Move ``slot`` to ``to``; a move :data:`MOVES` does not list is a bug."""
+        if to not in MOVES[slot.state]:
+            raise RuntimeError(f"{slot}: no move from {slot.state.name} to {to.name}")
+        slot.state = to
+        self._slots.remove(slot)
+        if to is not GONE:
+            self._slots.append(slot)
+
+    def _make(self) -> Slot:
+        """(Lock held) A new slot, FREE (its file is made by its first fit)."""
+        slot = Slot(self, next(self._names))
+        self._slots.append(slot)
+        return slot
+
+    def _held_in(self, directory: Path) -> Slot | None:
+        """(Lock held) The slot whose file is the step ``directory``'s data file."""
+        return next((s for s in self._in(HELD) if s.path.parent == directory), None)
+
+    def _stop(self, what: Mode) -> None:
+        """(Lock held) The pool stops doing ``what`` (:class:`Mode`), for the rest of its life."""
+        self._mode |= what
+
+    def _sizes(self) -> tuple[int, int] | None:
+        """(Lock held) The size the pool's thread sizes free slots for ahead of the saves, that
+        take only ready ones (:meth:`saw`); None before :meth:`prepare`, and once the tier had
+        no room for one, pinning failed or the pool closed: saves take any slot."""
+        stopped = self._mode & (Mode.NO_ROOM | Mode.UNPINNED | Mode.CLOSED)
+        return None if stopped else self._want
 
     def readying(self) -> bool:
         """Whether the pool's thread still has free slots to size or pin (the tier is being
         set up: the loop runs slower meanwhile, a save in flight or not)."""
         with self._lock:
-            return bool(self._readying) or (
-                self._want is not None and not self._failed and not self._closed
-                and any(self._to_ready(s) for s in self._free))
+            return bool(self._in(*READYING)) or self._want is not None and any(
+                self._to_ready(s) for s in self._in(FREE))
 
     def _to_ready(self, slot: Slot) -> bool:
         """(Lock held) Whether the pool's thread is to size and pin ``slot`` (a free one):
-        one not pinned, or not sized as the saves' state now is."""
-        if self._want is not None and self._sizing:
-            return not slot.pinned or not slot.sized_for(*self._want)
+        one not pinned, or not sized as the saves' state now is (none once UNPINNED)."""
+        if self._mode & (Mode.UNPINNED | Mode.CLOSED):
+            return False
+        want = self._sizes()
+        if want is not None:
+            return not slot.pinned or not slot.sized_for(*want)
         return not slot.pinned and slot.arena is not None
 
     def saw(self, total: int, entries: int) -> None:
@@ -328,7 +402,7 @@ class SlotPool:
             if slot is None and later:
                 waiting = NextSlot(self)
                 self._waiting.append(waiting)
-                in_use = self._count >= self.limit and not self._free and not self._readying
+                in_use = len(self._slots) >= self.limit and not self._in(FREE, *READYING)
                 warn = in_use and not self._warned
                 self._warned = self._warned or in_use
         self._thread.wake()  # to ready the spare it made, or the slot on its way
@@ -360,16 +434,17 @@ class SlotPool:
         moves of those whose snapshot is aside (every one once the pool is closed: the
         move then finds no slot and goes to the engine's host cache)."""
         with self._lock:
+            closed = Mode.CLOSED in self._mode
             short = False  # a save still waits: the slot on its way (made here) needs the thread
             for waiting in self._waiting:
-                if waiting.slot is None and not self._closed:
+                if waiting.slot is None and not closed:
                     waiting.slot = self._take()
                     if waiting.slot is None:
                         short = True
                         break
             # each save's queue as it is now: one it sets from here on (when_given) is its to call
             due = [(w, w.queue) for w in self._waiting
-                   if w.queue is not None and (w.slot is not None or self._closed)]
+                   if w.queue is not None and (w.slot is not None or closed)]
             for waiting, _ in due:
                 self._waiting.remove(waiting)
         if due or short:
@@ -380,30 +455,27 @@ class SlotPool:
 
     def _take(self, spare: bool = True) -> Slot | None:
         """(Lock held) A free slot that is ready (pinned, sized as the saves' state is: see
-        :meth:`saw`). Where none is, None, and a slot is on its way: one being readied, a free
-        one to ready, or a new one (``limit`` allowing) that the pool's thread sizes and pins,
-        one at a time (two at once, or a save's copy into memory not pinned yet, stall the
-        training's CUDA calls). Before :meth:`prepare` gave a size, once pinning failed, or
-        once the tier had no room for a slot the thread sized: any free slot, else a new one
-        (sized by the save). Then (``spare``) a spare is made in its place (readied once the
-        caller wakes the thread)."""
-        if self._want is not None and not self._failed and self._sizing:
-            slot = next((s for s in reversed(self._free)
-                         if s.pinned and s.sized_for(*self._want)), None)
+        :meth:`saw`), now IN_SAVE. Where none is, None, and a slot is on its way: one being
+        readied, a free one to ready, or a new one (``limit`` allowing) that the pool's thread
+        sizes and pins, one at a time (two at once, or a save's copy into memory not pinned
+        yet, stall the training's CUDA calls). Before :meth:`prepare` gave a size, once
+        pinning failed, or once the tier had no room for a slot the thread sized: any free
+        slot, else a new one (sized by the save). Then (``spare``) a spare is made in its
+        place (readied once the caller wakes the thread)."""
+        free, want = self._in(FREE), self._sizes()
+        if want is not None:
+            slot = next((s for s in reversed(free) if s.pinned and s.sized_for(*want)), None)
             if slot is None:
-                if not self._free and not self._readying and self._count < self.limit:
-                    self._free.append(Slot(self, next(self._names)))
-                    self._count += 1
+                if not self._in(FREE, *READYING) and len(self._slots) < self.limit:
+                    self._make()
                 return None
-        elif self._free:
-            slot = max(reversed(self._free), key=lambda s: (s.pinned, s.fd >= 0))
-        elif self._count < self.limit:
-            slot = Slot(self, next(self._names))
-            self._count += 1
-            self._free.append(slot)
+        elif free:
+            slot = max(reversed(free), key=lambda s: (s.pinned, s.fd >= 0))
+        elif len(self._slots) < self.limit:
+            slot = self._make()
         else:
             return None
-        self._free.remove(slot)
+        self._move(slot, IN_SAVE)
         if spare:
             self._add_spares()
         return slot
@@ -417,12 +489,13 @@ class SlotPool:
     def _add_spares(self) -> None:
         """(Lock held) Make slots until the rotation is made and :data:`SPARE` are free or
         being readied, once :meth:`prepare` said how large (``limit`` and the tier's room
-        allowing)."""
-        while (self._want is not None and self._count < self.limit and self._room_for_one()
-               and (self._count < self._rotation
-                    or len(self._free) + len(self._readying) < self._spares)):
-            self._free.append(Slot(self, next(self._names)))
-            self._count += 1
+        allowing; none once GAVE_WAY, no spare once NO_ROOM)."""
+        rotation = 0 if Mode.GAVE_WAY in self._mode else self._rotation
+        spares = 0 if self._mode & (Mode.GAVE_WAY | Mode.NO_ROOM) else SPARE
+        while (self._want is not None and len(self._slots) < self.limit and self._room_for_one()
+               and (len(self._slots) < rotation
+                    or len(self._in(FREE, *READYING)) < spares)):
+            self._make()
 
     def _room_for_one(self) -> bool:
         """(Lock held) Whether the tier's room when :meth:`prepare` came (``room``, with the
@@ -432,12 +505,12 @@ class SlotPool:
         admission. A save that finds no slot free still gets one made (:meth:`_take`)."""
         assert self._want is not None  # asked once prepare() gave a size
         size = _slot_size(self.room, *self._want)
-        return (self._count + 1) * size + max(0, self._nbytes - size) <= self._cap
+        return (len(self._slots) + 1) * size + max(0, self._nbytes - size) <= self._cap
 
     def slot_bytes(self) -> int:
         """Bytes the largest slot takes on the tier."""
         with self._lock:
-            slots = [*self._free, *self._readying, *self._held.values()]
+            slots = self._in(FREE, *READYING, HELD)
         return max((s.nbytes for s in slots), default=0)
 
     def next_bytes(self, waiting: NextSlot) -> int:
@@ -452,16 +525,14 @@ class SlotPool:
             ahead = [w for w in self._waiting if w.slot is None]
             if waiting not in ahead:
                 return 0  # settled: it gets none
-            order = sorted([s for s in [*self._free, *self._readying] if s not in self._doomed],
-                           key=lambda s: (s.pinned, s in self._readying, s.fd >= 0),
-                           reverse=True)
+            order = sorted(self._in(FREE, SIZING, PINNING), reverse=True,
+                           key=lambda s: (s.pinned, s.state is not FREE, s.fd >= 0))
             index = ahead.index(waiting)
             if index < len(order):
                 return order[index].pages()
             # a step's slot comes free when a save in flight commits and the step leaves the
             # tier; with none in flight (slots taken, not held), none comes before this save's
-            in_flight = self._count - len(self._free) - len(self._readying) - len(self._held)
-            slots = [*self._held.values()] if in_flight > 0 else []
+            slots = self._in(HELD) if self._in(IN_SAVE) else []
         return max((s.pages() for s in slots), default=0)
 
     def need_room(self, header_len: int) -> None:
@@ -493,63 +564,54 @@ class SlotPool:
         with self._lock:
             self._want = (total, entries)
             self._nbytes = nbytes
-            self._cap = room + sum(s.nbytes for s in self._free)  # adopted slots' pages
+            self._cap = room + sum(s.nbytes for s in self._in(FREE))  # adopted slots' pages
             self._add_spares()
         self._thread.wake()
         if wait:
             while self._ready_one():
                 pass
             with self._lock:
-                self._readied.wait_for(lambda: not self._readying)
+                self._readied.wait_for(lambda: not self._in(*READYING))
 
     def _ready_one(self) -> bool:
         """On the pool's thread: size (as :meth:`prepare` said) and pin one free slot; False
         when none needs it."""
         with self._lock:
-            slot = None if self._failed or self._closed else next(
-                (s for s in self._free if self._to_ready(s)), None)
+            slot = next((s for s in self._in(FREE) if self._to_ready(s)), None)
             if slot is None:
                 return False
-            self._free.remove(slot)
-            self._readying.append(slot)
-            self._fitting.add(slot)
-            want = self._want if self._sizing else None
+            self._move(slot, SIZING)
+            want = self._sizes()
         try:
             start = time.perf_counter()
             try:
                 if want is not None and not slot.sized_for(*want):
                     slot.fit(*want)
-            finally:
+            except Exception as exc:  # noqa: BLE001 - no room on the tier (ENOSPC): no caller
                 with self._lock:
-                    self._fitting.discard(slot)
-                    self._readied.notify_all()
-            sized = time.perf_counter()
-        except Exception as exc:  # noqa: BLE001 - no room on the tier (ENOSPC): no caller
-            log.warning("dcp_datastates: %s not made (%s): the memory tier has no room for "
-                        "a slot ahead of the saves; none is made from now on, a save sizes "
-                        "its slot itself", slot, exc)
-            with self._lock:
-                self._sizing, self._spares = False, 0
-        else:
-            with self._lock:
-                doomed = slot in self._doomed
-            if not doomed:  # a slot release_free gave up goes unpinned
-                self._pin(slot, start, sized)
+                    self._stop(Mode.NO_ROOM)
+                log.warning("dcp_datastates: %s not made (%s): the memory tier has no room for "
+                            "a slot ahead of the saves; none is made from now on, a save sizes "
+                            "its slot itself", slot, exc)
+            else:
+                with self._lock:  # a slot release_free gave up (DOOMED) goes unpinned
+                    pin = slot.state is SIZING
+                    if pin:
+                        self._move(slot, PINNING)
+                        self._readied.notify_all()
+                if pin:
+                    self._pin(slot, start, time.perf_counter())
         finally:
-            with self._lock:
-                self._readying.remove(slot)
-                doomed = slot in self._doomed and not self._owed()  # else a waiting save's
-                if not doomed:
-                    self._doomed.discard(slot)
-                closed = self._closed
-                if not (closed or doomed):
-                    self._free.append(slot)
+            with self._lock:  # a DOOMED one a waiting save is owed is FREE again
+                doomed = slot.state is DOOMED and not self._owed()
+                gone = doomed or Mode.CLOSED in self._mode
+                if not gone:
+                    self._move(slot, FREE)
+                elif not doomed:  # the pool closed meanwhile (a prepare(wait=True) was helping)
+                    self._move(slot, GONE)
                 self._readied.notify_all()
-        if closed or doomed:  # the pool closed meanwhile (a prepare(wait=True) was helping),
-            self._forget(slot)  # or release_free gave the slot up
-            with self._lock:
-                self._doomed.discard(slot)  # its pages are back: release_free's wait ends
-                self._readied.notify_all()
+        if gone:
+            self._forget(slot)
         else:
             self._serve()
         return True
@@ -566,7 +628,8 @@ class SlotPool:
         except Exception as exc:  # noqa: BLE001 - no caller: saves go on, unpinned
             log.warning("dcp_datastates: %s not pinned (%s); no more slots are pinned: "
                         "snapshots into them are copied at pageable speed", slot, exc)
-            self._failed = True
+            with self._lock:
+                self._stop(Mode.UNPINNED)
 
     def free_bytes(self) -> int:
         """Bytes that free slots take on the tier (a save can reuse them), those the pool's
@@ -574,55 +637,54 @@ class SlotPool:
         slots that the saves waiting for one are to get (each save counts its slot itself).
         """
         with self._lock:
-            free = self._spare_slots()
-            want = None if self._failed or self._closed or not self._sizing else self._want
+            free, want = self._spare_slots(), self._sizes()
             return sum(s.nbytes if want is None else max(s.nbytes, s.size_for(*want))
                        for s in free)
 
     def _owed(self) -> int:
         """(Lock held) Saves waiting for a slot that none was given yet."""
-        return 0 if self._closed else sum(w.slot is None for w in self._waiting)
+        return 0 if Mode.CLOSED in self._mode else sum(w.slot is None for w in self._waiting)
 
     def _spare_slots(self) -> list[Slot]:
         """(Lock held) The free slots and those being readied that no waiting save is to get
         and :meth:`release_free` did not give up."""
-        return self._unowed([s for s in [*self._free, *self._readying] if s not in self._doomed])
+        return self._unowed(self._in(FREE, SIZING, PINNING))
 
     def _unowed(self, slots: list[Slot]) -> list[Slot]:
         """(Lock held) ``slots`` (free ones) less those the waiting saves are to get: pinned
         ones first, then those being readied, then those with a file."""
-        order = sorted(slots, key=lambda s: (s.pinned, s in self._readying, s.fd >= 0))
+        order = sorted(slots, key=lambda s: (s.pinned, s.state is not FREE, s.fd >= 0))
         return order[:max(0, len(order) - self._owed())]
 
     def release_free(self) -> int:
         """A save does not fit on the tier: remove the free slots that no waiting save is
-        to get, and make no more spares; return how many go. One being sized goes once the
-        pool's thread is done with it (not pinned; :meth:`wait_sized` waits for that)."""
+        to get, and make no more spares; return how many go. One being readied is DOOMED:
+        it goes once the pool's thread is done with it (not pinned; :meth:`wait_sized` waits
+        for that)."""
         with self._lock:
-            self._spares = self._rotation = 0
+            self._stop(Mode.GAVE_WAY)
             unowed = self._spare_slots()
-            slots = [s for s in unowed if s not in self._readying]
-            doomed = [s for s in unowed if s in self._readying]
-            self._doomed.update(doomed)
-            self._free = [s for s in self._free if s not in slots]
-            kept = bool(self._free)
+            gone = [s for s in unowed if s.state is FREE]
+            for slot in unowed:
+                self._move(slot, GONE if slot in gone else DOOMED)
+            kept = bool(self._in(FREE))
         if kept:
             self._thread.wake()  # to ready the free slots kept for waiting saves
-        for slot in slots:
+        for slot in gone:
             self._forget(slot)
-        if slots or doomed:
+        if unowed:
             log.info("dcp_datastates: the memory tier %s had no room for a save: %d free "
                      "slot(s) removed; no slot is made ahead of the saves from now on",
-                     self.directory.parent, len(slots) + len(doomed))
-        return len(slots) + len(doomed)
+                     self.directory.parent, len(unowed))
+        return len(unowed)
 
     def wait_sized(self) -> None:
-        """Wait until no slot is being sized, nor given up and not yet gone: the tier's pages
-        stop moving between its free space and the slots (a save that found the tier short
-        counts its room again after; pinning, which moves none, is not waited for; bounded,
-        logged if it runs out)."""
+        """Wait until no slot is being sized, nor given up and not yet gone (SIZING, DOOMED):
+        the tier's pages stop moving between its free space and the slots (a save that found
+        the tier short counts its room again after; pinning, which moves none, is not waited
+        for; bounded, logged if it runs out)."""
         with self._lock:
-            if not self._readied.wait_for(lambda: not (self._fitting or self._doomed),
+            if not self._readied.wait_for(lambda: not self._in(SIZING, DOOMED),
                                           timeout=READY_WAIT_S):
                 log.warning("dcp_datastates: the memory-tier slots in %s were still being "
                             "made after %.0f s", self.directory, READY_WAIT_S)
@@ -644,30 +706,23 @@ class SlotPool:
             if given is None:
                 return
             slot = given
-        replaced = None
         with self._lock:
-            if committed:  # a step saved again: the file it held was replaced (removed)
-                old = self._held.get(directory)
-                if old is not None and old is not slot and not old.path.exists():
-                    replaced = self._held.pop(directory)
+            # one never made (a skipped save's) has nothing to keep, no slot to ready
+            to = (GONE if slot.fd < 0 else FREE if slot.path == slot.home else HELD
+                  if committed and slot.path.parent == directory and slot.path.exists() else GONE)
+            # a step saved again: the file its slot held was replaced (removed)
+            replaced = self._held_in(directory) if committed else None
+            self._move(slot, to)
+            if replaced is not None:
+                self._move(replaced, GONE)
         if replaced is not None:
             self._forget(replaced)
-        if slot.fd < 0:  # never made (a skipped save's): nothing to keep, no slot to ready
+        if to is GONE:
             self._forget(slot)
-            return
-        with self._lock:
-            free = slot.path == slot.home
-            if free:
-                self._free.append(slot)
-            elif committed and slot.path.parent == directory and slot.path.exists():
-                self._held[directory] = slot
-                return
-        if not free:
-            self._forget(slot)
-            return
-        if not slot.pinned:
-            self._thread.wake()
-        self._serve()
+        elif to is FREE:
+            if not slot.pinned:
+                self._thread.wake()
+            self._serve()
 
     def give_back(self, slot: Slot | NextSlot) -> None:
         """A save that took ``slot`` is not made (skipped): the slot is free again, or the
@@ -682,18 +737,20 @@ class SlotPool:
     def reclaim(self, directory: Path) -> None:
         """The step ``directory`` is being dropped (its ``.metadata`` is gone): its slot
         goes back home, free (and pinned in the background if it is not)."""
-        with self._lock:
-            slot = self._held.pop(directory, None)
-        if slot is None:
-            return
-        try:
-            slot.adopt(slot.home)
-        except OSError as exc:  # the file went: the slot with it
-            log.warning("dcp_datastates: memory-tier slot %s lost (%s)", slot.path, exc)
+        lost = None
+        with self._lock:  # the file moves with the state: no other call finds it half-way
+            slot = self._held_in(directory)
+            if slot is None:
+                return
+            try:
+                slot.adopt(slot.home)
+            except OSError as exc:  # the file went: the slot with it
+                lost = exc
+            self._move(slot, FREE if lost is None else GONE)
+        if lost is not None:
+            log.warning("dcp_datastates: memory-tier slot %s lost (%s)", slot.path, lost)
             self._forget(slot)
             return
-        with self._lock:
-            self._free.append(slot)
         if not slot.pinned:
             self._thread.wake()
         self._serve()
@@ -702,28 +759,35 @@ class SlotPool:
         """The step ``directory`` is being dropped to make room on the tier: its slot is
         forgotten, and its file goes with the step."""
         with self._lock:
-            slot = self._held.pop(directory, None)
+            slot = self._held_in(directory)
+            if slot is not None:
+                self._move(slot, GONE)
         if slot is not None:
             self._forget(slot)
 
     def _forget(self, slot: Slot) -> None:
-        with self._lock:
-            self._count -= 1
+        """Unmap ``slot`` (GONE, or DOOMED: GONE once its pages are back on the tier) and
+        close its file, removing it if it is at home."""
         slot.close()
         if slot.path == slot.home:
             slot.home.unlink(missing_ok=True)
+        with self._lock:
+            if slot.state is DOOMED:  # release_free's wait_sized ends
+                self._move(slot, GONE)
+                self._readied.notify_all()
         self._serve()  # one more slot may be made
 
     def close(self) -> None:
         """Stop the pool's thread; unmap every slot; remove the free ones (held ones are
         steps' data files)."""
         with self._lock:
-            self._closed = True  # a slot being readied now is forgotten by its reader
+            self._stop(Mode.CLOSED)  # a slot being readied now is forgotten by its reader
         self._serve()  # the saves waiting for a slot go to the engine's host cache
         self._thread.close()
         with self._lock:
-            slots = [*self._free, *self._held.values()]
-            self._free, self._held = [], {}
+            slots = self._in(FREE, HELD)
+            for slot in slots:
+                self._move(slot, GONE)
         for slot in slots:
             self._forget(slot)
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -737,7 +801,7 @@ class SlotPool:
             if entry == self.directory or entry.is_symlink() or not entry.is_dir():
                 continue  # a link may lead to files that are not slots: left alone
             for path in sorted(entry.glob("slot_*")):
-                if self._count < self.limit and path.is_file() and not path.is_symlink():
+                if len(self._slots) < self.limit and path.is_file() and not path.is_symlink():
                     slot = Slot(self, next(self._names))
                     try:
                         os.rename(path, slot.home)
@@ -745,8 +809,7 @@ class SlotPool:
                     except OSError as exc:
                         log.warning("dcp_datastates: %s not adopted (%s)", path, exc)
                         continue
-                    self._free.append(slot)
-                    self._count += 1
+                    self._slots.append(slot)
                     adopted += 1
             shutil.rmtree(entry, ignore_errors=True)
         if adopted:
