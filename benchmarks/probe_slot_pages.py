@@ -7,17 +7,23 @@ allows: 4 KiB tmpfs pages, tmpfs with transparent huge pages (a tmpfs mounted ``
 root), hugetlbfs pages (``memfd_create(MFD_HUGETLB)`` from pages reserved in
 ``vm.nr_hugepages``, root; the reservation is given back after), and anonymous memory with
 ``MADV_HUGEPAGE`` (no file: for comparison); for the tmpfs backings also with the pages made
-by another process first (``fallocate``: the trainer only maps and pins them). Meanwhile the
+by another process first (``fallocate``: the trainer only maps and pins them). Two more rows
+time the slot as a file the trainer never maps nor pins: written with ``pwrite`` from a small
+pinned ring (the engine's cache, made once; a fixed pinned staging ring in front of unpinned
+memory), first into new tmpfs pages, then over the same file's pages again (a slot reused);
+and one pins a mapped slot in 1 GiB pieces rather than at once. Meanwhile the
 main thread runs a training-like loop (a matmul and a synchronize) and the table gives the
 seconds it lost (its iterations' time beyond the same loop alone) and its longest iteration.
 Needs cuda-python, torch and a GPU.
 
-    python benchmarks/probe_slot_pages.py [GiB]       # default 16
+    python benchmarks/probe_slot_pages.py [GiB] [--ring]   # default 16; --ring: those rows only
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import resource
@@ -27,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
@@ -57,7 +64,7 @@ def tmpfs_file(nbytes: int, options: str | None, made: bool = False) -> Iterator
     if options is not None:
         mnt = tempfile.mkdtemp(prefix="probe_slot_")
         subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", mnt], check=True)
-    path = Path(mnt or "/dev/shm") / f"probe_slot_{os.getpid()}"
+    path = Path(mnt or "/dev/shm") / f"probe_slot_{os.getpid()}_{os.urandom(4).hex()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
@@ -111,6 +118,52 @@ def make_slot(nbytes: int, fd: int | None, huge_anon: bool = False) -> dict[str,
             "unpin_s": unpinned - pinned, "faults": f1 - f0}
 
 
+def pin_in_pieces(nbytes: int, fd: int, piece: int = GiB) -> dict[str, float]:
+    """Populate ``nbytes`` of ``fd`` (mapped shared), then pin it ``piece`` bytes at a time."""
+    start, f0 = time.perf_counter(), faults()
+    mem = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    populated, f1 = time.perf_counter(), faults()
+    view = ctypes.c_char.from_buffer(mem)
+    addr = ctypes.addressof(view)
+    pieces = range(0, nbytes, piece)
+    for offset in pieces:
+        check(rt.cudaHostRegister(addr + offset, min(piece, nbytes - offset),
+                                  rt.cudaHostRegisterPortable), "cudaHostRegister")
+    pinned = time.perf_counter()
+    for offset in pieces:
+        check(rt.cudaHostUnregister(addr + offset), "cudaHostUnregister")
+    unpinned = time.perf_counter()
+    del view
+    mem.close()
+    return {"populate_s": populated - start, "pin_s": pinned - populated,
+            "unpin_s": unpinned - pinned, "faults": f1 - f0}
+
+
+def write_from_ring(nbytes: int, fd: int, ring: torch.Tensor, threads: int = 4,
+                    read: bool = False) -> dict[str, float]:
+    """Write ``nbytes`` into ``fd`` with ``pwrite`` from the pinned ``ring`` (``threads`` at a
+    time, a ring's piece each), never mapping the file; ``read``: ``preadv`` them into the
+    ring instead (a restore from the memory tier)."""
+    piece = ring.numel() // threads
+    base = ring.data_ptr()
+    views = [memoryview((ctypes.c_char * piece).from_address(base + k * piece)).cast("B")
+             for k in range(threads)]
+
+    def one(k: int) -> None:
+        for offset in range(k * piece, nbytes, threads * piece):
+            size = min(piece, nbytes - offset)
+            done = (os.preadv(fd, [views[k][:size]], offset) if read
+                    else os.pwrite(fd, views[k][:size], offset))
+            if done != size:
+                raise OSError(f"short {'read' if read else 'write'} at {offset}")
+
+    start, f0 = time.perf_counter(), faults()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(threads)))
+    return {"populate_s": time.perf_counter() - start, "pin_s": 0.0, "unpin_s": 0.0,
+            "faults": faults() - f0}
+
+
 def steps_while(work: Callable[[], dict[str, float]] | None, seconds: float = 2.0
                 ) -> tuple[list[float], dict[str, float]]:
     """The main thread's iterations (a matmul, a synchronize) while ``work`` runs on a thread
@@ -134,7 +187,8 @@ def steps_while(work: Callable[[], dict[str, float]] | None, seconds: float = 2.
 
 
 def main() -> None:
-    gib = float(sys.argv[1]) if len(sys.argv) > 1 else 16.0
+    args = [a for a in sys.argv[1:] if a != "--ring"]
+    gib = float(args[0]) if args else 16.0
     nbytes = int(gib * GiB) // HUGE * HUGE
     check(rt.cudaSetDevice(0), "cudaSetDevice")
     check(rt.cudaFree(0), "cudaFree")  # the context, before anything is timed
@@ -164,8 +218,50 @@ def main() -> None:
     cases.append(("tmpfs huge=always, made by another process",
                   on_file(lambda: tmpfs_file(nbytes, huge, made=True))))
     cases.append(("hugetlbfs 2 MiB (memfd)", on_file(lambda: hugetlb_file(nbytes))))
+    ring = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)  # made once, off the clock
+
+    def written(threads: int) -> Callable[[], dict[str, float]]:
+        def run() -> dict[str, float]:
+            with tmpfs_file(nbytes, None) as fd:
+                return write_from_ring(nbytes, fd, ring, threads)
+        return run
+
+    def in_pieces() -> dict[str, float]:
+        with tmpfs_file(nbytes, None) as fd:
+            return pin_in_pieces(nbytes, fd)
+    cases.append(("tmpfs /dev/shm, 4 KiB, pinned in 1 GiB pieces", in_pieces))
+    for threads in (4, 8, 16):
+        cases.append((f"tmpfs /dev/shm, 4 KiB, pwrite from a 256 MiB pinned ring, new pages, "
+                      f"{threads} threads", written(threads)))
+    reused = contextlib.ExitStack()  # a slot written once already, off the clock
+    fd = reused.enter_context(tmpfs_file(nbytes, None))
+    write_from_ring(nbytes, fd, ring)
+    def split(threads: int) -> dict[str, float]:
+        """Each thread writes a file of its own (writes to one file take its inode's lock)."""
+        with contextlib.ExitStack() as files:
+            fds = [files.enter_context(tmpfs_file(nbytes // threads, None))
+                   for _ in range(threads)]
+            part = ring.numel() // threads
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda k: write_from_ring(nbytes // threads, fds[k],
+                                                        ring[k * part:(k + 1) * part], 1),
+                              range(threads)))
+            return {"populate_s": time.perf_counter() - start, "pin_s": 0.0, "unpin_s": 0.0,
+                    "faults": 0}
+    for threads in (8, 16):
+        cases.append((f"tmpfs /dev/shm, 4 KiB, pwrite from the ring into {threads} files, new "
+                      f"pages, {threads} threads", functools.partial(split, threads)))
+    for threads in (4, 8, 16):
+        cases.append((f"tmpfs /dev/shm, 4 KiB, pwrite from the ring over the file's pages, "
+                      f"{threads} threads", functools.partial(write_from_ring, nbytes, fd, ring,
+                                                              threads)))
+    cases.append(("tmpfs /dev/shm, 4 KiB, preadv into the ring (a restore), 8 threads",
+                  functools.partial(write_from_ring, nbytes, fd, ring, 8, read=True)))
     cases.append(("anonymous, 4 KiB", lambda: make_slot(nbytes, None)))
     cases.append(("anonymous, MADV_HUGEPAGE", lambda: make_slot(nbytes, None, True)))
+    if "--ring" in sys.argv:
+        cases = [c for c in cases if "ring" in c[0]]
     print("| backing | populate s | GiB/s | pin s | unpin s | page faults "
           "| training s lost | longest step ms |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
@@ -181,6 +277,7 @@ def main() -> None:
         print(f"| {name} | {r['populate_s']:.2f} | {gib / r['populate_s']:.1f} | "
               f"{r['pin_s']:.2f} | {r['unpin_s']:.2f} | {r['faults']:.0f} | "
               f"{lost:.2f} | {max(times) * 1e3:.1f} |", flush=True)
+    reused.close()
 
 
 if __name__ == "__main__":
