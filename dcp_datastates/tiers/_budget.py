@@ -23,17 +23,17 @@ cost the intervals earn with room to spare (capped at one save's cost, the accou
 saves more rarely than their cost allowed).
 
 While the memory tier is being set up (its slots sized and pinned in the background, after
-``prepare()`` or the first save), the loop may run slower: an interval of the set-up that a
-save in flight overlaps is not charged to it up to SETUP_SLOWDOWN baselines, and earns what a
-typical interval does (the baseline's, once known), so a one-time start-up cost neither starves
-the account nor pays for a burst of saves; beyond that, the interval waited on something no
-set-up explains (a caller's wait for a commit, say), and the excess is charged to the saves in
-flight as always (a wait outside the guard that leaves the interval within SETUP_SLOWDOWN
-baselines is charged to no save; a baseline measured during the set-up is slowed by it too).
-One that no save overlaps is a quiet interval like any other (the set-up runs on other threads,
-and a set-up that lasts longer than the first intervals must not leave the loop without a
-baseline: no save but the first would be paid for). A save's call and the guard's waits for its
-snapshot are charged as always.
+``prepare()`` or the first save), the loop may run slower, a save in flight or not: that is the
+tier's one-time cost, not a save's. An interval of the set-up that a save in flight overlaps is
+charged to no save and earns what a typical interval does (the baseline's, once known), so the
+set-up neither starves the account nor pays for a burst of saves. A wait in it is no set-up's
+slowdown, and is told apart by being measured, not guessed from the interval's length: every
+wait of the training thread on a save through the manager (the guard's for its snapshot,
+``handle.result()`` and ``manager.wait()`` for its commit) is timed and charged
+(:meth:`Budget.wait`). One interval that no save overlaps is a quiet interval like any other
+(the set-up runs on other threads, and a set-up that lasts longer than the first intervals must
+not leave the loop without a baseline: no save but the first would be paid for). A save's call
+is charged as always.
 
 A save is skipped at once (nothing staged, nothing written) when the account cannot pay for it,
 when the previous save's snapshot is still copying (taking it would make the guard wait on the
@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import threading
 from collections import deque
 from collections.abc import Callable
 
@@ -70,11 +71,6 @@ QUIET_KEPT = 32
 #: short (the loop catching up on work a save delayed), and alone it made every interval
 #: before it look slow (a first save was charged several times its real cost).
 QUIET_MIN = 3
-#: How many baselines an interval of the tier's set-up may take with a save in flight before
-#: the excess is charged to the save (the set-up slows the loop; it does not stall it). Past
-#: it the account starves if a set-up ever slows the loop that much, so it is set well above
-#: the slowdowns seen (RESULTS.md at 1d2b20c), and still far below a wait of seconds for a commit.
-SETUP_SLOWDOWN = 8
 #: Why a save is skipped, by precedence (an all-reduce keeps the highest of the ranks').
 OVER_BUDGET, NO_SLOT, COPYING = 1, 2, 3
 #: What a rank says of another rank's reason.
@@ -163,8 +159,9 @@ class Drag:
         self._flying: list[_Flight] = []
         self._pending: list[tuple[float, float, list[SaveHandle]]] = []  # before a baseline
         self._landed: list[SaveHandle] = []  # commits done in the last interval
-        # intervals of the tier's set-up with saves in flight, before a baseline
-        self._setting_up: list[tuple[float, float, list[SaveHandle]]] = []
+        # training seconds of intervals of the tier's set-up with saves in flight, before a
+        # baseline (they earn once there is one)
+        self._setting_up: list[float] = []
 
     def track(self, handle: SaveHandle) -> None:
         """``handle`` was taken: it is in flight until its memory commit is done."""
@@ -175,9 +172,8 @@ class Drag:
         """The loop ran from ``start`` to ``end`` (``training_s`` of it outside the guard's
         waits): the slowdown to charge now and the training time it leaves to earn on (an
         interval kept for want of a baseline earns nothing until one exists). An interval
-        ``setting_up`` the tier while saves are in flight is charged only beyond
-        SETUP_SLOWDOWN baselines and earns at most the baseline; one with none in flight is a
-        quiet interval as any other."""
+        ``setting_up`` the tier while saves are in flight is charged to no save and earns at
+        most the baseline; one with none in flight is a quiet interval as any other."""
         flights = [f for f in self._flying if f.done_at is None or f.done_at > start]
         landed, self._landed = self._landed, [f.handle for f in flights
                                               if f.done_at is not None and f.done_at <= end]
@@ -190,15 +186,14 @@ class Drag:
             pending, self._pending = self._pending + [(training_s, 0.0, [])], []
             charged = [(self._charge(*p), p[0]) for p in pending]
             set_up, self._setting_up = self._setting_up, []
-            settled = [self._set_up(*o) for o in set_up]
-            return (sum(c for c, _ in charged) + sum(c for c, _ in settled),
-                    sum(t - c for c, t in charged) + sum(e for _, e in settled))
+            return (sum(c for c, _ in charged),
+                    sum(t - c for c, t in charged) + sum(self._set_up(t) for t in set_up))
         ran = max(end if f.done_at is None else min(f.done_at, end) for f in flights) - start
         overlap = (training_s, max(0.0, ran - waited_s), [f.handle for f in flights])
-        if setting_up:  # slowed by the set-up too
+        if setting_up:  # slowed by the set-up, not by the saves: charged to none
             if len(self._quiet) >= QUIET_MIN:
-                return self._set_up(*overlap)
-            self._setting_up.append(overlap)
+                return 0.0, self._set_up(training_s)
+            self._setting_up.append(training_s)
             return 0.0, 0.0
         return self._overlap(overlap)
 
@@ -208,8 +203,7 @@ class Drag:
 
     def over(self, now: float) -> list[SaveHandle]:
         """The saves whose commit was done by ``now`` and whose slowdown is all charged."""
-        owed = ({id(h) for p in [*self._pending, *self._setting_up] for h in p[2]}
-                | {id(h) for h in self._landed})
+        owed = {id(h) for p in self._pending for h in p[2]} | {id(h) for h in self._landed}
         over = [f for f in self._flying if f.done_at is not None and f.done_at <= now
                 and id(f.handle) not in owed]
         self._flying = [f for f in self._flying if f not in over]
@@ -223,14 +217,10 @@ class Drag:
         slowdown = self._charge(*overlap)
         return slowdown, overlap[0] - slowdown
 
-    def _set_up(self, training_s: float, ran_s: float,
-                handles: list[SaveHandle]) -> tuple[float, float]:
-        """Charge an interval of the tier's set-up beyond SETUP_SLOWDOWN baselines (at most
-        ``ran_s``) to ``handles``: the charge, and the training time it earns on (at most a
-        baseline's)."""
-        extra = max(0.0, min(training_s - SETUP_SLOWDOWN * self.baseline(), ran_s))
-        _share(extra, handles)
-        return extra, min(training_s - extra, self.baseline())
+    def _set_up(self, training_s: float) -> float:
+        """The training time an interval of the tier's set-up earns on: at most a baseline's
+        (a one-time slowdown pays for no burst of saves)."""
+        return min(training_s, self.baseline())
 
     def _charge(self, training_s: float, ran_s: float, handles: list[SaveHandle]) -> float:
         """Charge an interval's excess over the baseline (at most ``ran_s``; negative where it
@@ -258,6 +248,7 @@ class Budget:
         self._waited = 0.0  # the guard's waits since then
         self._call = 0.0  # when this save() began
         self._skipping = False  # in a burst of skipped saves (logged once)
+        self._trainer: threading.Thread | None = None  # the thread calling save()
 
     def decide(self, step: int, slots: SlotPool | None,
                slot: Slot | NextSlot | None) -> SaveHandle | None:
@@ -266,6 +257,7 @@ class Budget:
         for it, or the next to come (given back if it is skipped; None with ``slots``: none
         was free). Collective under ``torch.distributed``."""
         now = self._call = self.clock()
+        self._trainer = threading.current_thread()
         if self._mark is not None:
             slowdown, training = self.drag.interval(
                 self._mark, now, now - self._mark - self._waited, self._waited,
@@ -304,8 +296,13 @@ class Budget:
         self._end_call(open_figures=True)
 
     def wait(self, wait: Callable[[], None]) -> None:
-        """Run the guard's ``wait`` for the snapshots; spend the time it took (where the
-        step's GPU work queues behind the copies instead, a delay shows in the intervals)."""
+        """Run ``wait``, the training thread's wait on the saves (the guard's for their
+        snapshots, ``handle.result()`` or ``manager.wait()`` for their commits); spend the time
+        it took (where the step's GPU work queues behind the copies instead, a delay shows in
+        the intervals). A wait on another thread than the one calling ``save()`` costs the
+        training nothing here."""
+        if threading.current_thread() is not self._trainer:
+            return wait()
         start = self.clock()
         wait()
         waited = self.clock() - start

@@ -56,6 +56,8 @@ class SaveHandle:
     raised: bool = field(default=False, init=False)  # result() raised the save's error
     #: False for a save that never started (refused at its call): it holds no slot
     started: bool = field(default=True, repr=False)
+    #: runs :meth:`result`'s wait (the overhead budget times it: ``Budget.wait``)
+    waits: Callable[[Callable[[], None]], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.figures = SaveFigures(self.step, skipped=self.skipped)
@@ -67,11 +69,14 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> None:
         """Wait for the memory commit (and the persist, if any); raise what failed (then
-        ``close()`` does not raise it again)."""
-        try:
+        ``close()`` does not raise it again). Under ``max_overhead`` the training thread's
+        wait is a cost of the saves."""
+        def wait() -> None:
             self.committed.result(timeout)
             if self.persisted is not None:
                 self.persisted.result(timeout)
+        try:
+            wait() if self.waits is None else self.waits(wait)
         except BaseException as exc:
             self.raised = self.raised or any(
                 f is not None and f.done() and not f.cancelled() and f.exception() is exc

@@ -263,6 +263,7 @@ class CheckpointManager:
         self._after.submit(self._saver.after_commit, handle, start, slot)
         self._handles.append(handle)
         if self._budget is not None:
+            handle.waits = self._budget.wait
             self._budget.taken(handle)
         return handle
 
@@ -346,7 +347,7 @@ class CheckpointManager:
         ``latest_step`` or ``load`` waited for them, and also where ``handle.result()`` raised
         it (``close()`` then does not)."""
         self._check_open("nothing to wait for")
-        self._drain()
+        self._wait(self._drain)  # a cost of the saves under max_overhead
         self._reports.raise_first()
 
     def _drain(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -26,13 +27,14 @@ from helpers.tiers import HoldWrites
 
 from dcp_datastates import CheckpointManager, guard
 from dcp_datastates._io import ThreadPoolBackend
-from dcp_datastates.tiers._budget import QUIET_MIN, SETUP_SLOWDOWN, Account, Budget
+from dcp_datastates.tiers._budget import QUIET_MIN, Account, Budget
 from dcp_datastates.tiers._handles import SaveHandle
 from dcp_datastates.tiers._ranks import Ranks
 
 pytestmark = MARKS
 
 BUDGET, STEP_S, COST_S = 1 / 16, 0.5, 1 / 8
+TIMEOUT = 60
 #: The steps of 0..24 taken under that budget at that cost (every 4 steps after the first gap).
 TAKEN = [0, 8, 12, 16, 20, 24]
 
@@ -376,12 +378,13 @@ class SettingUp:
 
 
 def _taken_with_a_slow_start(clock: FakeClock, slow: bool, flagged: bool, set_up: int = 20,
-                             factor: float = 4, stall: tuple[int, float] | None = None
-                             ) -> list[SaveHandle]:
+                             factor: float = 4, stall: tuple[int, float] | None = None,
+                             waited: bool = False) -> list[SaveHandle]:
     """A save asked for at every step of 60, each costing COST_S in its call; while the tier
     is set up (the first ``set_up`` steps, ``slow``) every step takes ``factor`` x STEP_S and
     the first save's commit waits for its slot (until step 20). ``flagged``: the pool says it
-    is being set up. ``stall``: (step, seconds) the training thread waits at that step."""
+    is being set up. ``stall``: (step, seconds) the training thread stalls at that step,
+    ``waited``: waiting on the saves (``handle.result()``: through ``Budget.wait``)."""
     budget = Budget(BUDGET, clock, Ranks(0, 1, None), [])
     pool = SettingUp(flagged)
     first: Future = Future()
@@ -390,7 +393,9 @@ def _taken_with_a_slow_start(clock: FakeClock, slow: bool, flagged: bool, set_up
         setting_up = slow and step < set_up
         clock.now += STEP_S * (factor if setting_up else 1)
         if stall is not None and step == stall[0]:
-            clock.now += stall[1]
+            def stalled(seconds: float = stall[1]) -> None:
+                clock.now += seconds
+            budget.wait(stalled) if waited else stalled()
         pool.on = setting_up
         if step == 20 and not first.done():
             first.set_result(None)
@@ -430,18 +435,65 @@ def test_a_set_up_that_outlasts_the_first_saves_does_not_starve_the_budget(
     assert abs(len(start) / len(steady) - 1) <= 0.2, (len(start), len(steady))
 
 
-def test_a_stall_while_the_tier_is_set_up_is_charged_beyond_the_set_ups_slowdown(
+def test_a_wait_on_the_saves_while_the_tier_is_set_up_is_charged_not_its_slowdown(
         clock: FakeClock) -> None:
-    """The set-up slows the loop by a few times at most; a step that waits far longer while a
-    save is in flight (a caller waiting for its commit) is charged to that save beyond
-    SETUP_SLOWDOWN baselines, and the account then skips the saves it cannot pay for."""
+    """The set-up's slowdown is charged to no save, however slow; a wait of the training
+    thread on the saves (a caller waiting for a commit through ``handle.result()``) is timed,
+    not guessed from an interval's length: charged, and the account then skips the saves it
+    cannot pay for."""
     wait_s = 40 * STEP_S
-    start = _taken_with_a_slow_start(clock, slow=True, flagged=True, stall=(5, wait_s))
-    expected = COST_S + (4 * STEP_S + wait_s) - SETUP_SLOWDOWN * STEP_S
-    assert start[0].figures.cost_s == pytest.approx(expected)
-    assert [h.step for h in start] == [0]
-    no_stall = _taken_with_a_slow_start(FakeClock(), slow=True, flagged=True)
-    assert no_stall[0].figures.cost_s == COST_S and len(no_stall) > 10, len(no_stall)
+    waited = _taken_with_a_slow_start(clock, slow=True, flagged=True, stall=(5, wait_s),
+                                      waited=True)
+    assert waited[0].figures.cost_s == COST_S
+    assert [h.step for h in waited] == [0]
+    stalled = _taken_with_a_slow_start(FakeClock(), slow=True, flagged=True, stall=(5, wait_s))
+    assert stalled[0].figures.cost_s == COST_S and len(stalled) > 10, len(stalled)
+
+
+def test_a_wait_on_another_thread_costs_the_training_nothing(clock: FakeClock) -> None:
+    budget = Budget(BUDGET, clock, Ranks(0, 1, None), [])
+    assert budget.decide(0, None, None) is None
+    budget.taken(SaveHandle(0, Future(), Future()))
+    credit = budget.account.credit
+    waiter = threading.Thread(target=budget.wait, args=(lambda: setattr(clock, "now", 100.0),))
+    waiter.start()
+    waiter.join()
+    assert budget.account.credit == credit
+    budget.wait(lambda: setattr(clock, "now", 130.0))  # the thread that calls save()
+    assert budget.account.credit == credit - 30.0
+
+
+def test_a_wait_for_a_commit_through_the_handle_is_a_cost_of_the_saves(
+        tiers: Tiers, clock: FakeClock) -> None:
+    """The training thread waits 100 s (of its clock) in ``handle.result()`` for a commit
+    held back: the budget charges the wait, so the account owes it and the next saves are
+    skipped saying so."""
+    hold = HoldWrites(ThreadPoolBackend(), tiers.memory)
+    made = SlowGuardEngine(clock, io_backend=hold, host_cache_size="8MiB", io_workers=2)
+
+    def commit_after_100_s() -> None:
+        hold.held.wait(TIMEOUT)
+        clock.now += 100.0
+        hold.gate.set()
+    try:
+        with CheckpointManager(memory_dir=tiers.memory, engine=made, max_overhead=BUDGET,
+                               clock=clock) as manager:
+            first = manager.save(0, make_state(0))
+            releaser = threading.Thread(target=commit_after_100_s)
+            releaser.start()
+            first.result()
+            releaser.join()
+            later = []
+            for step in range(1, 5):
+                clock.now += STEP_S
+                manager.order_after_staging()
+                later.append(manager.save(step, make_state(step)))
+    finally:
+        hold.gate.set()
+        made.close()
+        hold.close()
+    assert [h.skipped for h in later] == [True] * 4
+    assert "owes" in later[0].reason, later[0].reason
 
 
 def test_skipped_saves_make_no_slots(tiers: Tiers, clock: FakeClock,
