@@ -40,7 +40,7 @@ TABLES = {
     "bench_engine_cpu": ("fresh writer per save", "30000 tiny tensors"),
     "bench_training_2xh100": ("training steps",),
     "bench_training_h100_8g": ("training steps",),
-    "bench_training_h100_8g_idiom": ("training steps",),
+    "bench_training_h200_8g_idiom": ("training steps",),
     "bench_torchtitan_2xh100": ("torchtitan llama3",),
     "bench_torchtitan_2xh100_resume": ("Resume after SIGKILL",),
     "bench_torchtitan_h100_resume": ("Resume after SIGKILL",),

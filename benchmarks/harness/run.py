@@ -53,7 +53,12 @@ def command_line(launcher: str) -> str:
 
 def tree() -> str | None:
     """The commit the checkout is at, with ``+`` after it where tracked files differ from it;
-    None outside a git checkout (``report.py`` then asks for the JSON's ``tree`` by hand)."""
+    None outside a git checkout (``report.py`` then asks for the JSON's ``tree`` by hand).
+    ``BENCH_TREE`` in the environment says it instead: a copy of the checkout whose ``.git``
+    is not the one it was copied from (the GPU machine's) records that one's HEAD."""
+    if given := os.environ.get("BENCH_TREE"):
+        return given
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
                               check=True).stdout.strip()
