@@ -1,12 +1,17 @@
-"""What a ``CheckpointManager.save`` call leaves when the caller's state fails it: a
-``Stateful`` whose ``state_dict()`` raises gives its memory-tier slot back (later saves find
-one, ``close()`` does not wait for it). Real files under /dev/shm."""
+"""What a ``CheckpointManager.save`` call leaves when the caller's state fails it or another
+thread saves at the same time: a ``Stateful`` whose ``state_dict()`` raises gives its
+memory-tier slot back (later saves find one, ``close()`` does not wait for it), and saves
+called from two threads all commit (no save's commit waits behind one queued after it).
+Real files under /dev/shm; the races come in through the state (a value whose deep copy, made
+in the call, waits for the test)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-from helpers import MARKS, Tiers
+from helpers import MARKS, Tiers, assert_state_equal, blank_like
 
 from dcp_datastates import CheckpointManager, Engine
 
@@ -56,3 +61,43 @@ def test_a_state_dict_that_raises_gives_its_slot_back(tiers: Tiers, engine: Engi
         loaded = {"app": Failing()}
         assert manager.load(loaded) == keep + 5
         assert torch.equal(loaded["app"].t, failing.t)
+
+
+class Gate:
+    """A value of the state whose deep copy (made in ``save()``'s call, after the save's place
+    in the engine's save order is taken) waits until ``go`` is set; ``entered`` says it
+    began."""
+
+    def __init__(self) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __deepcopy__(self, memo: dict) -> str:
+        self.entered.set()
+        assert self.go.wait(COMMIT_S)
+        return "gate"
+
+
+def test_saves_from_two_threads_all_commit(tiers: Tiers, engine: Engine) -> None:
+    """A save whose call is held (thread A) while another thread saves a later step (B): both
+    commit once A goes on, and each step loads what it saved."""
+    gate = Gate()
+    slow = {"t": torch.full((2048,), 1.0), "gate": gate}
+    fast = {"t": torch.full((2048,), 2.0)}
+    handles = {}
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
+                           persist=None, engine=engine) as manager:
+        a = threading.Thread(target=lambda: handles.update(a=manager.save(1, slow)))
+        a.start()
+        assert gate.entered.wait(COMMIT_S)
+        b = threading.Thread(target=lambda: handles.update(b=manager.save(2, fast)))
+        b.start()
+        b.join(timeout=0.5)  # B's save is staged and queued, or waits for A's call
+        gate.go.set()
+        a.join(COMMIT_S)
+        b.join(COMMIT_S)
+        handles["a"].result(timeout=COMMIT_S)
+        handles["b"].result(timeout=COMMIT_S)
+        for step, saved in ((1, {"t": slow["t"], "gate": "gate"}), (2, fast)):
+            loaded = blank_like(saved)
+            assert manager.load(loaded, step=step) == step
+            assert_state_equal(loaded, saved)
