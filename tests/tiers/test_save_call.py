@@ -1,6 +1,7 @@
 """What a ``CheckpointManager.save`` call leaves when the caller's state fails it or another
 thread saves at the same time: a ``Stateful`` whose ``state_dict()`` raises gives its
-memory-tier slot back (later saves find one, ``close()`` does not wait for it), and saves
+memory-tier slot back (later saves find one, ``close()`` does not wait for it), a state that
+is no dict is refused saying what a state is, and saves
 called from two threads all commit (no save's commit waits behind one queued after it).
 Real files under /dev/shm; the races come in through the state (a value whose deep copy, made
 in the call, waits for the test)."""
@@ -61,6 +62,28 @@ def test_a_state_dict_that_raises_gives_its_slot_back(tiers: Tiers, engine: Engi
         loaded = {"app": Failing()}
         assert manager.load(loaded) == keep + 5
         assert torch.equal(loaded["app"].t, failing.t)
+
+
+def test_a_state_that_is_no_dict_is_refused_saying_what_it_takes(tiers: Tiers,
+                                                                   engine: Engine) -> None:
+    """A model passed as the state (not its state dict in a dict) is refused by ``save``,
+    ``prepare`` and ``load`` naming its type, and gives its slot back: the next save works."""
+    model = torch.nn.Linear(4, 4)
+    with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=1,
+                           persist=None, engine=engine) as manager:
+        said = r"the state must be a dict of state dicts .* got a Linear"
+        for step in range(5):  # more than the pool's keep_memory + 3 slots
+            with pytest.raises(TypeError, match=said):
+                manager.save(step, model)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=said):
+            manager.prepare(model)  # type: ignore[arg-type]
+        state = {"model": model.state_dict()}
+        manager.save(5, state).result(timeout=COMMIT_S)
+        with pytest.raises(TypeError, match=said):
+            manager.load(model)  # type: ignore[arg-type]
+        loaded = {"model": torch.nn.Linear(4, 4).state_dict()}
+        assert manager.load(loaded) == 5
+        assert_state_equal(loaded, state)
 
 
 class Gate:
