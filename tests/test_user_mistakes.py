@@ -295,3 +295,43 @@ def test_one_memory_dir_for_every_rank_is_said_to_need_one_each(tiers: Tiers) ->
     said = str(info.value)
     assert f"memory tier {tiers.memory} is in use by another CheckpointManager" in said, said
     assert "each rank of a job needs a memory_dir of its own" in said, said
+
+
+def test_a_meta_tensor_is_refused_by_name(tmp_path: Path) -> None:
+    """A tensor on the meta device (a model made there and never materialized) holds no data:
+    ``dcp.save``, ``dcp.async_save`` and a manager's save refuse it, naming it (the snapshot
+    read its null data pointer: the process died of SIGSEGV), and the manager's next save
+    works."""
+    proc = run_script(tmp_path, """
+        from torch.distributed.checkpoint.api import CheckpointException
+        root = sys.argv[1]
+        bad = {"layer": {"x": torch.ones(4, device="meta")}, "y": torch.ones(3)}
+
+        def said(exc):
+            if isinstance(exc, CheckpointException):
+                (exc,) = [e for e, _ in exc.failures.values()]
+            print(type(exc).__name__, exc)
+        for run in (lambda: dcp.save(bad, checkpoint_id=root + "/sync", no_dist=True,
+                                     storage_writer=DataStatesWriter()),
+                    lambda: dcp.async_save(bad, checkpoint_id=root + "/async",
+                                           storage_writer=DataStatesWriter()
+                                           ).upload_completion.result()):
+            try:
+                run()
+            except BaseException as exc:
+                said(exc)
+        with CheckpointManager(root + "/durable", memory_dir=root + "/memory",
+                               persist=None) as manager:
+            try:
+                manager.save(1, bad).result()
+            except Exception as exc:
+                said(exc)
+            good = state(2)
+            manager.save(2, good).result()
+            out = {"w": torch.zeros_like(good["w"]), "b": torch.zeros_like(good["b"]), "step": 0}
+            assert manager.load(out) == 2 and torch.equal(out["w"], good["w"])
+    """, tmp_path / "run")
+    said = proc.stdout.splitlines()
+    assert len(said) == 3, proc.stdout + proc.stderr[-3000:]
+    for line in said:
+        assert line.startswith("TypeError 'layer.x': a tensor on the meta device"), line

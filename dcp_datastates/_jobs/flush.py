@@ -37,7 +37,7 @@ from .._format.metadata_file import ItemLocation
 from .._io.file_writer import DataFile, Piece
 from .._memory.host_cache import Lease, nbytes_of, resolved
 from .._stats import SaveStats
-from .snapshot import Snapshot, SnapshotTarget, copy_into
+from .snapshot import Snapshot, SnapshotTarget, copy_into, meta_error
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -120,6 +120,8 @@ def _resolve_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"the planner resolved tensor item {item.index} to a "
                         f"{type(data).__name__}")
+    if data.is_meta:
+        raise meta_error(item.index.fqn)
     return resolved(data.detach())
 
 

@@ -144,9 +144,11 @@ def keep_still(sources: list[torch.Tensor], skeleton: object) -> set[int]:
     counter tells of a write to them) and small GPU tensors (:data:`AT_CALL_BYTES`, up to
     :data:`AT_CALL_TOTAL_BYTES` in all, in order: one foreach copy), GPU ones on the current
     stream, in the call's order. Other GPU tensors stay: their copies are lazy. Raises
-    TypeError naming a tensor torch cannot copy."""
+    TypeError naming a tensor torch cannot copy, or a meta tensor."""
     copied, small, room = set(), [], AT_CALL_TOTAL_BYTES
     for i, t in enumerate(sources):
+        if t.is_meta:
+            raise meta_error(source_paths(skeleton).get(i, f"tensor {i}"))
         if not t.is_cuda or t.is_inference():
             sources[i] = _copy(t, i, skeleton)
             copied.add(i)
@@ -163,6 +165,13 @@ def keep_still(sources: list[torch.Tensor], skeleton: object) -> set[int]:
         for i, c in zip(small, copies, strict=True):
             sources[i] = c
     return copied | set(small)
+
+
+def meta_error(name: str) -> TypeError:
+    """The error for item ``name``, a tensor on the meta device: it holds no data (a copy of
+    it would read a null pointer)."""
+    return TypeError(f"{name!r}: a tensor on the meta device, which holds no data (made there "
+                     f"and never materialized?); a save takes tensors that hold their values")
 
 
 def _copy(t: torch.Tensor, i: int, skeleton: object) -> torch.Tensor:

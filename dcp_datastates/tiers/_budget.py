@@ -300,14 +300,16 @@ class Budget:
         snapshots, ``handle.result()`` or ``manager.wait()`` for their commits); spend the time
         it took (where the step's GPU work queues behind the copies instead, a delay shows in
         the intervals). A wait on another thread than the one calling ``save()`` costs the
-        training nothing here."""
+        training nothing here. A wait that raises (a timeout, the save's error) is spent too."""
         if threading.current_thread() is not self._trainer:
             return wait()
         start = self.clock()
-        wait()
-        waited = self.clock() - start
-        self._charge(waited, open_figures=True)
-        self._waited += waited
+        try:
+            wait()
+        finally:
+            waited = self.clock() - start
+            self._charge(waited, open_figures=True)
+            self._waited += waited
 
     def _local_reason(self, no_slot: bool) -> tuple[int, str]:
         """This rank's reason to skip the save (0: none)."""

@@ -39,7 +39,12 @@ from ..errors import CheckpointError
 
 
 def plain(state: dict) -> dict:
-    """``state`` with its ``Stateful`` values replaced by their state dicts (as DCP does)."""
+    """``state`` with its ``Stateful`` values replaced by their state dicts (as DCP does);
+    TypeError where ``state`` is no dict (a model passed as it is)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"the state must be a dict of state dicts and Stateful values, as "
+                        f"dcp.save takes ({{'model': model.state_dict(), ...}}), got a "
+                        f"{type(state).__name__}")
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 

@@ -48,7 +48,7 @@ from ._replicator import Replicator
 from ._reports import Reports
 from ._restore import Restorer, held, pick
 from ._retention import ABANDONED, Retention
-from ._slots import SlotPool
+from ._slots import NextSlot, Slot, SlotPool
 from ._steps import (
     keep_replaced,
     make_private,
@@ -220,7 +220,8 @@ class CheckpointManager:
         (logged); a save that fails on some rank leaves the old copies. A step older than the
         newest one saved or held (a counter that restarted) raises ValueError here, nothing
         written: retention would delete it at once. Under ``max_overhead``, a save that does
-        not fit is skipped: its handle says why.
+        not fit is skipped: its handle says why. An error a ``Stateful``'s ``state_dict()``
+        raises is raised here, nothing written.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -251,9 +252,10 @@ class CheckpointManager:
         replacing = step in self._taken
         if replacing:
             self._drain()  # nothing reads the old copies while the new save replaces them
-        self._taken.add(step)
         start = time.perf_counter()
-        handle = self._saver.start(step, plain(state), start, slot, replacing)
+        flat = self._state_dicts(state, slot)
+        self._taken.add(step)
+        handle = self._saver.start(step, flat, start, slot, replacing)
         if replacing:
             handle = self._replaced(handle)
         if self._persister is not None:
@@ -266,6 +268,17 @@ class CheckpointManager:
             handle.waits = self._budget.wait
             self._budget.taken(handle)
         return handle
+
+    def _state_dicts(self, state: dict, slot: Slot | NextSlot | None) -> dict:
+        """``state`` with its ``Stateful`` values' state dicts; where one raises, the slot
+        taken for the save is given back (else no later save gets it) and the error raised."""
+        try:
+            return plain(state)
+        except BaseException:
+            if slot is not None:
+                assert self._slots is not None  # a slot comes from slots
+                self._slots.give_back(slot)
+            raise
 
     def _replaced(self, handle: SaveHandle) -> SaveHandle:
         """Wait for the save of a step again to end here, then on every rank (collective).

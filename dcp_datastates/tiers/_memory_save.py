@@ -10,6 +10,7 @@ run on the upload thread. What follows the commits runs in save order.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,6 +65,10 @@ class MemorySaver:
         self.engine, self.history = engine, history
         # flushes and commits the saves, one at a time
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-upload")
+        # a save's place in the engine's save order and its upload's in the queue are taken
+        # together: an upload queued ahead of an earlier save's waits for its turn for good
+        # (an owned save holds the line until it ends), so saves from two threads would hang
+        self._queue = threading.Lock()
         #: plans the saves (one at a time, on the upload thread), reusing the last plans
         self.planner = ReusingPlanner()
         self._failed: set[int] = set()  # steps whose latest save here failed
@@ -85,9 +90,10 @@ class MemorySaver:
             else:  # no rank holds a copy: a mark a killed save left names none to keep
                 settle_replacing(directory)
             TierRecord(step, self.ranks.rank, self.ranks.world).write(directory)
-            save = ExplicitSave(self.engine(), directory, target=slot, overwrite=True)
-            staged = save.stage(state)
-            committed = self._uploader.submit(self._upload, step, save)
+            with self._queue:
+                save = ExplicitSave(self.engine(), directory, target=slot, overwrite=True)
+                staged = save.stage(state)
+                committed = self._uploader.submit(self._upload, step, save)
         except Exception as exc:  # noqa: BLE001 - the handle carries it; training goes on
             if save is not None:
                 save.abort(exc)  # a snapshot staged for a save that will not run: given back

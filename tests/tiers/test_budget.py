@@ -463,6 +463,22 @@ def test_a_wait_on_another_thread_costs_the_training_nothing(clock: FakeClock) -
     assert budget.account.credit == credit - 30.0
 
 
+def test_a_wait_that_ends_in_an_error_is_charged_too(clock: FakeClock) -> None:
+    """A wait on the saves that raises (``handle.result(timeout=...)`` timing out, or the
+    save's own error) cost the training thread its time as any other wait."""
+    budget = Budget(BUDGET, clock, Ranks(0, 1, None), [])
+    assert budget.decide(0, None, None) is None
+    budget.taken(SaveHandle(0, Future(), Future()))
+    credit = budget.account.credit
+
+    def times_out() -> None:
+        clock.now += 30.0
+        raise TimeoutError
+    with pytest.raises(TimeoutError):
+        budget.wait(times_out)
+    assert budget.account.credit == credit - 30.0
+
+
 def test_a_wait_for_a_commit_through_the_handle_is_a_cost_of_the_saves(
         tiers: Tiers, clock: FakeClock) -> None:
     """The training thread waits 100 s (of its clock) in ``handle.result()`` for a commit
