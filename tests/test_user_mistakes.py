@@ -7,13 +7,16 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import (
     MARKS,
     Tiers,
@@ -335,3 +338,26 @@ def test_a_meta_tensor_is_refused_by_name(tmp_path: Path) -> None:
     assert len(said) == 3, proc.stdout + proc.stderr[-3000:]
     for line in said:
         assert line.startswith("TypeError 'layer.x': a tensor on the meta device"), line
+
+
+@pytest.mark.parametrize("path", ["dcp.save", "dcp.async_save", "manager"])
+def test_a_value_that_cannot_be_pickled_is_refused_by_name(tmp_path: Path, tiers: Tiers,
+                                                           path: str) -> None:
+    """A lock in an optimizer's state (no tensor, no picklable value) is refused naming where
+    it is in the state, on every save path; the manager's next save works."""
+    bad = {"w": torch.ones(3), "opt": {"groups": [{"lock": threading.Lock()}]}}
+    expected = (re.escape("'opt.groups.0.lock': a ") + ".*"
+                + re.escape("(cannot pickle '_thread.lock' object)"))
+    if path == "manager":
+        with CheckpointManager(tiers.durable, memory_dir=tiers.memory, persist=None) as manager:
+            with pytest.raises(TypeError, match=expected):
+                manager.save(1, bad).result()
+            manager.save(2, {"w": torch.ones(3)}).result()
+            assert manager.latest_step() == 2
+        return
+    with raises_in_dcp(TypeError, expected):
+        if path == "dcp.save":
+            dcp.save(bad, checkpoint_id=tmp_path, no_dist=True, storage_writer=DataStatesWriter())
+        else:
+            dcp.async_save(bad, checkpoint_id=tmp_path, no_dist=True,
+                           storage_writer=DataStatesWriter()).upload_completion.result()

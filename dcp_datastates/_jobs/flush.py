@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import io
 import logging
+import pickle
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -279,7 +280,12 @@ def _host_copies(job: FlushedSave, tensors: list[torch.Tensor],
 
 
 def _serialize(planner: SavePlanner, item: WriteItem) -> bytes | memoryview:
-    data = planner.resolve_data(item)
+    """A bytes item's bytes (DCP's planner pickles it); TypeError naming an item it cannot."""
+    try:
+        data = planner.resolve_data(item)
+    except (TypeError, AttributeError, pickle.PicklingError) as exc:
+        raise TypeError(f"{item.index.fqn!r}: a value that cannot be saved ({exc}); a state "
+                        f"holds tensors and picklable values") from exc
     return data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
 
 

@@ -97,13 +97,15 @@ _IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None), torch
 
 
 def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
-         dtensors: dict[int, DTensor]) -> object:
-    """The structure of ``obj`` with tensors replaced by references numbering ``sources``
-    (conjugate and negative views :func:`~dcp_datastates._memory.host_cache.resolved`); the
-    DTensors go to ``dtensors`` under their locals' numbers.
+         dtensors: dict[int, DTensor], path: str = "") -> object:
+    """The structure of ``obj`` (at ``path`` in the state) with tensors replaced by references
+    numbering ``sources`` (conjugate and negative views
+    :func:`~dcp_datastates._memory.host_cache.resolved`); the DTensors go to ``dtensors``
+    under their locals' numbers.
 
     Only dicts and lists are entered, as DCP does; other values are deep-copied here, on the
-    caller's thread (the loop may change them once the call returns), immutable ones kept.
+    caller's thread (the loop may change them once the call returns), immutable ones kept: one
+    that cannot be copied (a lock) is a TypeError naming it.
     """
     if id(obj) in memo:
         return memo[id(obj)]
@@ -118,11 +120,19 @@ def walk(obj: object, sources: list[torch.Tensor], memo: dict[int, object],
         tensor = resolved(obj.detach())
         sources.append(tensor.contiguous() if tensor.is_cuda else tensor)
     elif isinstance(obj, dict):
-        out = {k: walk(v, sources, memo, dtensors) for k, v in obj.items()}
+        out = {k: walk(v, sources, memo, dtensors, f"{path}.{k}" if path else str(k))
+               for k, v in obj.items()}
     elif isinstance(obj, list):
-        out = [walk(v, sources, memo, dtensors) for v in obj]
+        out = [walk(v, sources, memo, dtensors, f"{path}.{i}" if path else str(i))
+               for i, v in enumerate(obj)]
+    elif type(obj) in _IMMUTABLE:
+        out = obj
     else:
-        out = obj if type(obj) in _IMMUTABLE else copy.deepcopy(obj)
+        try:
+            out = copy.deepcopy(obj)
+        except Exception as exc:  # a lock, a file, a generator: what pickle refuses
+            raise TypeError(f"{path!r}: a {type(obj).__name__} that cannot be copied or saved "
+                            f"({exc}); a state holds tensors and picklable values") from exc
     memo[id(obj)] = out
     return out
 
