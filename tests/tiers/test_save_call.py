@@ -109,6 +109,9 @@ def test_saves_from_two_threads_all_commit(tiers: Tiers, engine: Engine) -> None
     handles = {}
     with CheckpointManager(tiers.durable, memory_dir=tiers.memory, keep_memory=2,
                            persist=None, engine=engine) as manager:
+        # sized first: on a GPU the first save sizes the slots itself, copying the gate there,
+        # before its step is taken (then B's step 2 is the newest, and A's older step refused)
+        manager.prepare({"t": fast["t"]}, wait=True)
         a = threading.Thread(target=lambda: handles.update(a=manager.save(1, slow)))
         a.start()
         assert gate.entered.wait(COMMIT_S)
