@@ -25,6 +25,9 @@ or when it is *abandoned*, which is judged here and nowhere else, by these rules
    :data:`UNTAKEN_GRACE_S` stops holding the line (and memory waits give up on it); only the
    writer's ``close()`` or the engine's frees it, since a late DCP save may still come.
 
+A save its owner drives, not DCP (``_jobs/explicit.py``: a manager's memory-tier save), is
+never judged: its :class:`OwnedTie` holds the line until its owner ends it.
+
 A save whose process group is gone is not judged here: each DCP call of it refuses it
 (``_jobs/groups.py``, from the group it began under).
 
@@ -112,12 +115,9 @@ class Caller:
 
 class Tie:
     """How DCP holds one save: the future its snapshot is taken from, the DCP call running it
-    and the index of the last call it ran. Judged only by :class:`SaveOrder`. An ``owned``
-    save is held by its owner, not DCP (``_jobs/explicit.py``): it holds the line until it
-    ends and is never abandoned, since its owner ends it."""
+    and the index of the last call it ran. Judged only by :class:`SaveOrder`."""
 
-    def __init__(self, owned: bool = False) -> None:
-        self.owned = owned
+    def __init__(self) -> None:
         self.staged = StagedFuture()
         self.caller: Caller | None = None
         self.call = -1  # index in CALLS of the last DCP call the save ran
@@ -144,16 +144,16 @@ class Tie:
     def taken(self) -> bool:
         """Whether DCP took this save: a DCP call ran it, or a thread other than the stager
         took its snapshot (not so for a snapshot DCP refused to save once it was staged)."""
-        return self.owned or self.caller is not None or bool(self.takers())
+        return self.caller is not None or bool(self.takers())
 
     def taken_by(self, thread: threading.Thread) -> bool:
         """Whether ``thread`` took the staged state dict and no call runs the save yet."""
-        return not self.owned and self.caller is None and thread in self.staged.takers
+        return self.caller is None and thread in self.staged.takers
 
     def untaken_for(self) -> float:
         """Seconds since the snapshot was handed out with no save taking it (0 otherwise)."""
         at = self._delivered_at
-        if at is None or self.owned or self.caller is not None or self.takers():
+        if at is None or self.caller is not None or self.takers():
             return 0.0
         return time.monotonic() - at
 
@@ -161,7 +161,7 @@ class Tie:
         """Whether later saves wait for this (not ended) one: it runs, its snapshot is still
         copying, a DCP thread took the snapshot and is on its way, or it was handed out only
         just now (rule 4)."""
-        if self.owned or self.caller is not None or not self.staged.done():
+        if self.caller is not None or not self.staged.done():
             return True
         takers = self.takers()
         if any(t.is_alive() for t in takers):
@@ -170,12 +170,30 @@ class Tie:
 
     def abandoned(self) -> bool:
         """Whether DCP left this (not ended) save: rule 2, or rule 3."""
-        if self.owned:
-            return False
         if self.caller is not None:
             return self.caller.gone()
         takers = self.takers()
         return bool(takers) and not any(t.is_alive() for t in takers)
+
+
+class OwnedTie(Tie):
+    """How its owner, not DCP, holds a save (``_jobs/explicit.py``): taken from the start, it
+    holds the line until it ends and is never abandoned, since its owner ends it."""
+
+    def taken(self) -> bool:
+        return True
+
+    def taken_by(self, thread: threading.Thread) -> bool:
+        return False
+
+    def untaken_for(self) -> float:
+        return 0.0
+
+    def holds_line(self) -> bool:
+        return True
+
+    def abandoned(self) -> bool:
+        return False
 
 
 class OrderedSave(Protocol):
@@ -206,7 +224,7 @@ J = TypeVar("J", bound=OrderedSave)
 class SaveOrder(Generic[J]):
     """An engine's saves in ticket order. One per engine (``_jobs.save.save_order``), attached
     to it as work its ``close()`` waits for (:meth:`wait`) and then ends (:meth:`end`).
-    ``make(engine, order, ticket, owned)`` makes a job (``owned``: see :class:`Tie`)."""
+    ``make(engine, order, ticket, owned)`` makes a job (``owned``: see :class:`OwnedTie`)."""
 
     def __init__(self, engine: Engine,
                  make: Callable[[Engine, SaveOrder[J], int, bool], J]) -> None:

@@ -41,7 +41,7 @@ from .commit import commit
 from .fence import StagingFence
 from .flush import write_data_file
 from .groups import Began, began_staging
-from .ordering import CALLS, Caller, SaveOrder, StagedFuture, Tie
+from .ordering import CALLS, Caller, OwnedTie, SaveOrder, StagedFuture, Tie
 from .snapshot import (
     Snapshot,
     SnapshotTarget,
@@ -118,7 +118,8 @@ class SaveJob:
         self.ticket = ticket
         self.state = SaveState.PLANNED
         self.stats = SaveStats(backend=engine.io.name)
-        self.tie = Tie(owned)  # how DCP (or its owner) holds this save (judged by the order)
+        # how DCP (or its owner) holds this save, judged by the save order
+        self.tie = OwnedTie() if owned else Tie()
         self.staging = StagingFence()  # staged (or ordered): the sources may change
         self.quiet = threading.Event()  # no copy reads the sources or fills the lease
         self.committed: Future = Future()  # this rank's part over (the coordinator: committed)
